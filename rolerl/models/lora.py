@@ -1,0 +1,373 @@
+"""Token-routed multi-adapter LoRA.
+
+`RoutedLoRALinear` wraps a frozen `nn.Linear` and carries K named LoRA adapters. Every token is computed
+by at most one of them, chosen by a per-token route tensor `(B, T)` of adapter indices (`-1` = base only).
+The route is shared by all wrapped layers of a model through one `RouteState`, set by the `routes()`
+context manager or by a `routes=` keyword to the model's forward, for full passes and decode steps alike.
+
+The forward stacks the A/B matrices of the adapters a batch actually uses into one `(R, in)` / `(out, R)`
+pair and multiplies the rank activations by a per-token rank mask that also carries each adapter's
+scaling (DESIGN's hint). So two rank-8 adapters that split a sequence cost the FLOPs of one rank-16
+adapter, need no gather or scatter, and an adapter no token used receives no gradient at all.
+Measured against a gather/index_add variant in `benchmarks/routed_lora.py`; see docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+RouteLike = torch.Tensor | int | str | None
+
+
+@dataclass
+class AdapterSpec:
+    """Hyper-parameters of one adapter; identical on every layer it is injected into."""
+
+    name: str
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)  # the module paths it was injected into
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class RouteState:
+    """The current route of one model, shared by all its `RoutedLoRALinear` layers.
+
+    Analysing the route (which adapters are used, the per-token rank mask) happens once per forward
+    here rather than once per layer: the rank layout is the same in every layer that carries the
+    same adapters, so the mask is built once per layout and reused.
+    """
+
+    def __init__(self, adapters: dict[str, AdapterSpec]) -> None:
+        self.adapters = adapters  # name -> spec, in index order (the index is the route value)
+        self.route: torch.Tensor | int = -1  # (B, T) long tensor, or one index for every token
+        self._used: list[int] | None = None
+        self._uniform = False
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.adapters)
+
+    def set(self, route: RouteLike) -> None:
+        self.route = self.resolve(route)
+        self._used, self._uniform, self._masks = None, False, {}
+
+    def snapshot(self) -> tuple:
+        return self.route, self._used, self._uniform, self._masks
+
+    def restore(self, snapshot: tuple) -> None:
+        self.route, self._used, self._uniform, self._masks = snapshot
+
+    def resolve(self, route: RouteLike) -> torch.Tensor | int:
+        """Turn a name, an index or a tensor into a validated route."""
+        names = self.names
+        allowed = f"-1 (base only) or 0..{len(names) - 1} = {names}" if names else "-1 (no adapters yet)"
+        if route is None:
+            return -1
+        if isinstance(route, str):
+            if route not in self.adapters:
+                raise KeyError(f"unknown adapter {route!r}; adapters on this model: {names}")
+            return names.index(route)
+        if isinstance(route, int):
+            if not -1 <= route < len(names):
+                raise ValueError(f"route index {route} has no adapter; allowed: {allowed}")
+            return route
+        if not isinstance(route, torch.Tensor) or route.dtype.is_floating_point or route.dim() != 2:
+            got = f"{type(route).__name__} {getattr(route, 'dtype', '')} {tuple(getattr(route, 'shape', ()))}"
+            raise ValueError(f"route must be an int, an adapter name or a (B, T) integer tensor; got {got}")
+        if route.numel():
+            lo, hi = int(route.min()), int(route.max())
+            if lo < -1 or hi >= len(names):
+                bad = lo if lo < -1 else hi
+                raise ValueError(f"route index {bad} has no adapter; allowed: {allowed}")
+        return route.long()
+
+    def used(self) -> list[int]:
+        """Indices of the adapters at least one token is routed to, sorted (one host sync per forward)."""
+        if self._used is None:
+            if isinstance(self.route, int):
+                self._used, self._uniform = ([], False) if self.route < 0 else ([self.route], True)
+            else:
+                values = torch.unique(self.route).tolist()
+                self._used = [i for i in values if i >= 0]
+                self._uniform = len(values) == 1 and values[0] >= 0
+        return self._used
+
+    def uniform(self) -> bool:
+        """True when every token goes to the same adapter (no mask needed: the plain LoRA path)."""
+        self.used()
+        return self._uniform
+
+    def positions(self, index: int, device: torch.device) -> torch.Tensor:
+        """Flat positions routed to adapter `index` (for the gather implementation)."""
+        key = ("pos", index, device)
+        if key not in self._masks:
+            self._masks[key] = (self.route.reshape(-1) == index).nonzero().squeeze(1).to(device)
+        return self._masks[key]
+
+    def mask(
+        self, layout: tuple[int, ...], ranks: Sequence[int], scalings: Sequence[float], like: torch.Tensor
+    ):
+        """Per-token rank mask `(N, R)`: `scaling_k` on the ranks of the token's adapter, 0 elsewhere."""
+        key = (*layout, like.dtype, like.device)
+        if key not in self._masks:
+            route = self.route.reshape(-1).to(like.device)  # (N,)
+            owner = torch.repeat_interleave(torch.tensor(layout, device=like.device), torch.tensor(ranks))
+            scale = torch.repeat_interleave(torch.tensor(scalings, device=like.device), torch.tensor(ranks))
+            hit = route[:, None] == owner[None, :]  # (N, R)
+            self._masks[key] = torch.where(hit, scale.to(like.dtype), torch.zeros((), dtype=like.dtype))
+        return self._masks[key]
+
+
+class RoutedLoRALinear(nn.Module):
+    """A frozen linear layer plus named LoRA adapters selected per token by the model's `RouteState`."""
+
+    impl = "masked"  # or "gather"; chosen by benchmarks/routed_lora.py (docs/BENCHMARKS.md)
+
+    def __init__(self, base_layer: nn.Linear, state: RouteState) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.state = state
+        self.lora_A = nn.ParameterDict()  # name -> (r, in)
+        self.lora_B = nn.ParameterDict()  # name -> (out, r)
+        self.lora_dropout = nn.ModuleDict()
+        base_layer.weight.requires_grad_(False)
+        if base_layer.bias is not None:
+            base_layer.bias.requires_grad_(False)
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def add_adapter(self, spec: AdapterSpec) -> None:
+        """PEFT's default init: A kaiming-uniform(a=sqrt(5)), B zero, so a fresh adapter is the identity."""
+        w = self.base_layer.weight
+        a = torch.empty(spec.rank, self.in_features, dtype=torch.float32, device=w.device)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        b = torch.zeros(self.out_features, spec.rank, dtype=torch.float32, device=w.device)
+        self.lora_A[spec.name] = nn.Parameter(a)
+        self.lora_B[spec.name] = nn.Parameter(b)
+        self.lora_dropout[spec.name] = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        state = self.state
+        used = [i for i in state.used() if state.names[i] in self.lora_A]
+        if not used:
+            return y
+        if isinstance(state.route, torch.Tensor) and state.route.shape != x.shape[:-1]:
+            raise ValueError(
+                f"route shape {tuple(state.route.shape)} does not match the input's (B, T) = "
+                f"{tuple(x.shape[:-1])}; pass one route per token"
+            )
+        specs = [state.adapters[state.names[i]] for i in used]
+        if state.uniform():
+            return y + self._one_adapter(x, specs[0]).to(y.dtype)
+        if self.impl == "gather":
+            return self._gather(x, y, used, specs)
+        return y + self._masked(x, used, specs).to(y.dtype)
+
+    def _one_adapter(self, x: torch.Tensor, spec: AdapterSpec) -> torch.Tensor:
+        a, b = self.lora_A[spec.name], self.lora_B[spec.name]
+        h = F.linear(self.lora_dropout[spec.name](x), a.to(x.dtype)) * spec.scaling  # (B, T, r)
+        return F.linear(h, b.to(x.dtype))
+
+    def _masked(self, x: torch.Tensor, used: list[int], specs: list[AdapterSpec]) -> torch.Tensor:
+        names = [s.name for s in specs]
+        if any(s.dropout > 0 for s in specs):
+            # Each adapter sees its own dropout of x (as in PEFT); with dropout 0 (the default) one shared x.
+            h = torch.cat([F.linear(self.lora_dropout[n](x), self.lora_A[n].to(x.dtype)) for n in names], -1)
+        else:
+            a = torch.cat([self.lora_A[n] for n in names]) if len(names) > 1 else self.lora_A[names[0]]
+            h = F.linear(x, a.to(x.dtype))  # (B, T, R)
+        mask = self.state.mask(tuple(used), [s.rank for s in specs], [s.scaling for s in specs], h)
+        h = h * mask.view(*h.shape)
+        b = torch.cat([self.lora_B[n] for n in names], 1) if len(names) > 1 else self.lora_B[names[0]]
+        return F.linear(h, b.to(x.dtype))  # (B, T, out)
+
+    def _gather(
+        self, x: torch.Tensor, y: torch.Tensor, used: list[int], specs: list[AdapterSpec]
+    ) -> torch.Tensor:
+        """Alternative kept for measurement: gather each adapter's tokens, LoRA them, scatter-add back."""
+        flat_x, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        for index, spec in zip(used, specs, strict=True):
+            pos = self.state.positions(index, x.device)
+            delta = self._one_adapter(flat_x.index_select(0, pos), spec).to(y.dtype)
+            out = out.index_add(0, pos, delta)
+        return out.view_as(y)
+
+    def extra_repr(self) -> str:
+        return f"adapters={list(self.lora_A)}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Injection into a model
+
+
+def _state(model: nn.Module) -> RouteState | None:
+    return getattr(model, "_rolerl_route_state", None)
+
+
+def routed_layers(model: nn.Module) -> Iterator[tuple[str, RoutedLoRALinear]]:
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedLoRALinear):
+            yield name, module
+
+
+def adapter_specs(model: nn.Module) -> dict[str, AdapterSpec]:
+    """The adapters of a model, name -> spec, in route-index order."""
+    state = _state(model)
+    return dict(state.adapters) if state else {}
+
+
+def _candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Linear layers inside the decoder blocks (never the LM head or the embeddings)."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedLoRALinear):
+            found[name] = module.base_layer
+        elif isinstance(module, nn.Linear) and module is not out_emb and ".base_layer" not in name:
+            found[name] = module
+    return {n: m for n, m in found.items() if not n.endswith("lm_head")}
+
+
+def match_targets(model: nn.Module, target_modules: str | Sequence[str] | None) -> list[str]:
+    """Module paths matched by PEFT-style targets.
+
+    `None` or "all-linear": every linear layer of the decoder blocks. A string: a regex that must match
+    the whole module path (PEFT's rule). A list: names that equal a path or end it after a dot.
+    """
+    candidates = _candidate_linears(model)
+    if target_modules is None or target_modules == "all-linear":
+        matched = list(candidates)
+    elif isinstance(target_modules, str):
+        matched = [n for n in candidates if re.fullmatch(target_modules, n)]
+    else:
+        targets = list(target_modules)
+        matched = [n for n in candidates if any(n == t or n.endswith("." + t) for t in targets)]
+    if not matched:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in candidates})
+        raise ValueError(
+            f"target_modules={target_modules!r} matches no linear layer of this model; "
+            f"allowed: 'all-linear', a regex over module paths, or names such as {leaves}"
+        )
+    return matched
+
+
+def _per_adapter(value, names: Sequence[str], what: str):
+    if isinstance(value, dict):
+        missing = [n for n in names if n not in value]
+        if missing:
+            raise ValueError(f"{what} has no entry for adapters {missing}; give a number or one per adapter")
+        return [value[n] for n in names]
+    return [value] * len(names)
+
+
+def add_adapters(
+    model: nn.Module,
+    names: str | Sequence[str],
+    rank: int | dict[str, int] = 8,
+    alpha: float | dict[str, float] | None = None,
+    target_modules: str | Sequence[str] | None = None,
+    dropout: float = 0.0,
+) -> nn.Module:
+    """Add LoRA adapters `names` to the linear layers of `model` matched by `target_modules`.
+
+    The base model is frozen (every parameter that is not a LoRA matrix stops requiring grad). `rank`
+    and `alpha` are one value or a dict per adapter; alpha defaults to 2 * rank. Route index `i` selects
+    the i-th adapter ever added, in order. Returns the same model, modified in place.
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    state = _state(model)
+    if state is None:
+        state = RouteState({})
+        model._rolerl_route_state = state
+        _install_forward_hooks(model, state)
+    for n in names:
+        if n in state.adapters or not n or not n.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"adapter name {n!r} is taken or invalid; existing: {state.names}")
+    ranks = _per_adapter(rank, names, "rank")
+    alphas = _per_adapter(alpha, names, "alpha")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+    targets = match_targets(model, target_modules)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for n, r, a in zip(names, ranks, alphas, strict=True):
+        if not isinstance(r, int) or r <= 0:
+            raise ValueError(f"rank of adapter {n!r} must be a positive int; got {r!r}")
+        state.adapters[n] = AdapterSpec(n, r, float(2 * r if a is None else a), dropout, targets)
+    for path in targets:
+        layer = _wrap(model, path, state)
+        for n in names:
+            layer.add_adapter(state.adapters[n])
+    for _, layer in routed_layers(model):
+        for p in [*layer.lora_A.values(), *layer.lora_B.values()]:
+            p.requires_grad_(True)
+    return model
+
+
+def _wrap(model: nn.Module, path: str, state: RouteState) -> RoutedLoRALinear:
+    module = model.get_submodule(path)
+    if isinstance(module, RoutedLoRALinear):
+        return module
+    parent_path, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    wrapped = RoutedLoRALinear(module, state)
+    setattr(parent, child, wrapped)
+    return wrapped
+
+
+def _install_forward_hooks(model: nn.Module, state: RouteState) -> None:
+    """`model(input_ids, routes=...)` sets the route for that one call and restores the previous one."""
+    saved: list[tuple | None] = []
+
+    def pre(module, args, kwargs):
+        if "routes" not in kwargs:
+            saved.append(None)
+            return None
+        saved.append(state.snapshot())
+        state.set(kwargs.pop("routes"))
+        return args, kwargs
+
+    def post(module, args, kwargs, output):
+        previous = saved.pop() if saved else None
+        if previous is not None:
+            state.restore(previous)
+        return output
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+@contextmanager
+def routes(model: nn.Module, route_ids: RouteLike) -> Iterator[RouteState]:
+    """Route every forward of `model` inside the block: an adapter name or index for all tokens, or a
+    `(B, T)` tensor of adapter indices (`-1` = base only). Outside any block the model runs base only."""
+    state = _state(model)
+    if state is None:
+        raise ValueError("this model has no rolerl adapters; call rolerl.add_adapters(model, names) first")
+    previous = state.snapshot()
+    state.set(route_ids)
+    try:
+        yield state
+    finally:
+        state.restore(previous)

@@ -1,0 +1,77 @@
+"""Tiny randomly initialised causal LMs (2 layers, width 64) of the families users train, with the
+default model's real tokenizer, so unit tests run in seconds yet exercise real HF model code."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Arch = Literal["llama", "qwen2", "qwen3"]
+ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3")
+
+
+def tiny_config(arch: Arch, vocab_size: int, **overrides):
+    """A 2-layer, width-64 config of `arch` with grouped-query attention (4 query / 2 KV heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if arch == "llama":  # SmolLM2-like: tied embeddings, no biases
+        config = LlamaConfig(**common, tie_word_embeddings=True)
+    elif arch == "qwen2":  # biases on q/k/v, untied head
+        config = Qwen2Config(**common, tie_word_embeddings=False)
+    elif arch == "qwen3":  # q/k RMSNorm, explicit head_dim, tied embeddings (as Qwen3-0.6B)
+        config = Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    else:
+        raise ValueError(f"arch={arch!r} is not a tiny-model family; allowed: {list(ARCHS)}")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def tiny_model(arch: Arch = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, tokenizer=None):
+    """Return `(model, tokenizer)`: a randomly initialised tiny `arch` model and the default tokenizer.
+
+    Initialisation is seeded and does not touch the global RNG. Pass `tokenizer` to skip loading it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if tokenizer is None:
+        tokenizer = default_tokenizer()
+    config = tiny_config(arch, vocab_size=len(tokenizer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # HF's init draws small weights (std 0.02); larger ones make the tiny model's logits, and
+        # so the tests' equivalence checks, depend on every layer rather than mostly on the head.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2 and "embed" not in name:
+                    p.normal_(0.0, 0.1)
+    model.eval()
+    return model, tokenizer
+
+
+_TOKENIZER = None
+
+
+def default_tokenizer():
+    """The default model's tokenizer (SmolLM2, 49152 tokens, ChatML template), loaded once."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from rolerl.models.load import DEFAULT_MODEL, _load_tokenizer, _resolve_to_directory
+
+        _TOKENIZER = _load_tokenizer(_resolve_to_directory(DEFAULT_MODEL))
+    return _TOKENIZER

@@ -1,0 +1,272 @@
+"""RoutedLoRALinear against PEFT and against a slow per-token reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import rolerl
+from rolerl.models.lora import RoutedLoRALinear, adapter_specs, routed_layers
+
+NAMES = ["reason", "tool", "answer", "unused"]  # three used, one no token is routed to
+
+
+def randomize_adapters(model, seed: int = 0, std: float = 0.1) -> None:
+    """Fresh adapters are the identity (B = 0); give B (and A) random values so adapters differ."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def reference_forward(layer: RoutedLoRALinear, x: torch.Tensor) -> torch.Tensor:
+    """Slow, obviously-correct routed LoRA: one token at a time, y = W x + b + s_k B_k A_k x."""
+    route = layer.state.route
+    names = layer.state.names
+    rows = []
+    for b in range(x.shape[0]):
+        cols = []
+        for t in range(x.shape[1]):
+            k = route if isinstance(route, int) else int(route[b, t])
+            y = layer.base_layer(x[b, t])
+            if k >= 0 and names[k] in layer.lora_A:
+                spec = layer.state.adapters[names[k]]
+                y = y + spec.scaling * (layer.lora_B[names[k]] @ (layer.lora_A[names[k]] @ x[b, t]))
+            cols.append(y)
+        rows.append(torch.stack(cols))
+    return torch.stack(rows)
+
+
+def route_patterns(batch: int, length: int, kind: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":  # any of -1, 0, 1, 2 per token
+        route = torch.randint(-1, 3, (batch, length), generator=g)
+    else:  # contiguous spans, as a DART episode: reason ... tool ... reason ... answer
+        route = torch.zeros(batch, length, dtype=torch.long)
+        for b in range(batch):
+            cuts = sorted(torch.randperm(length - 1, generator=g)[:3].add(1).tolist())
+            for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, length], strict=True)):
+                route[b, lo:hi] = [0, 1, 0, 2][i]
+        route[:, :2] = -1  # a base-only prefix
+    assert set(route.unique().tolist()) >= {0, 1, 2}, "the pattern must exercise three adapters"
+    return route
+
+
+@pytest.fixture
+def routed(tiny):
+    model, _ = tiny
+    base = copy.deepcopy(model)
+    rolerl.add_adapters(model, NAMES, rank={"reason": 4, "tool": 8, "answer": 2, "unused": 4}, alpha=16)
+    randomize_adapters(model)
+    return model, base
+
+
+def test_single_adapter_matches_peft(tiny):
+    model, _ = tiny
+    peft_model = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    )
+    rolerl.add_adapters(model, ["policy"], rank=8, alpha=16)
+    randomize_adapters(model)
+    _copy_into_peft(model, peft_model, "policy")
+    ids = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+        with rolerl.routes(model, "policy"):
+            scalar = model(ids).logits
+        per_token = model(ids, routes=torch.zeros_like(ids)).logits
+    torch.testing.assert_close(scalar, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(per_token, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_single_adapter_matches_peft_on_default_model(default_model_cpu):
+    base, _ = default_model_cpu
+    model = copy.deepcopy(base)
+    peft_model = get_peft_model(
+        copy.deepcopy(base), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    )
+    rolerl.add_adapters(model, ["policy"], rank=16, alpha=32)
+    randomize_adapters(model, std=0.02)
+    _copy_into_peft(model, peft_model, "policy")
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+        got = model(ids, routes=torch.zeros_like(ids)).logits
+        base_logits = base(ids).logits
+    assert (expected - base_logits).abs().max() > 1e-2, "the adapter must change the logits"
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def _copy_into_peft(model, peft_model, name: str) -> None:
+    layers = dict(routed_layers(model))
+    n = 0
+    with torch.no_grad():
+        for path, module in peft_model.base_model.model.named_modules():
+            if path in layers and hasattr(module, "lora_A"):
+                module.lora_A["default"].weight.copy_(layers[path].lora_A[name])
+                module.lora_B["default"].weight.copy_(layers[path].lora_B[name])
+                n += 1
+    assert n == len(layers) > 0
+
+
+@pytest.mark.parametrize("pattern", ["random", "contiguous"])
+def test_mixed_routes_match_per_token_reference_layer_by_layer(routed, pattern):
+    model, _ = routed
+    ids = torch.randint(0, model.config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(3))
+    route = route_patterns(3, 13, pattern)
+    seen = []
+
+    def check(layer, inputs, output):
+        seen.append((layer, inputs[0], output))
+
+    handles = [layer.register_forward_hook(check) for _, layer in routed_layers(model)]
+    with torch.no_grad(), rolerl.routes(model, route):
+        fast = model(ids).logits
+        for layer, x, out in seen:
+            torch.testing.assert_close(out, reference_forward(layer, x), atol=1e-5, rtol=1e-5)
+    for h in handles:
+        h.remove()
+    assert len(seen) == len(list(routed_layers(model))) == 2 * 7
+    with torch.no_grad():
+        slow = _reference_model_logits(model, ids, route)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def _reference_model_logits(model, ids, route, backward_weights=None):
+    original = RoutedLoRALinear.forward
+    RoutedLoRALinear.forward = reference_forward
+    try:
+        with rolerl.routes(model, route):
+            logits = model(ids).logits
+            if backward_weights is not None:
+                (logits * backward_weights).sum().backward()
+    finally:
+        RoutedLoRALinear.forward = original
+    return logits
+
+
+def test_route_minus_one_is_exactly_the_base_model(routed):
+    model, base = routed
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = base(ids).logits
+        assert torch.equal(model(ids, routes=torch.full_like(ids, -1)).logits, expected)
+        with rolerl.routes(model, -1):
+            assert torch.equal(model(ids).logits, expected)
+        assert torch.equal(model(ids).logits, expected), "outside any routes() block the model is base only"
+
+
+@pytest.mark.parametrize("pattern", ["random", "contiguous"])
+def test_gradients_isolated_and_equal_to_reference(routed, pattern):
+    model, _ = routed
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    route = route_patterns(2, 10, pattern, seed=6)
+    weights = torch.randn(2, 10, model.config.vocab_size, generator=torch.Generator().manual_seed(7))
+    with rolerl.routes(model, route):
+        (model(ids).logits * weights).sum().backward()
+    fast = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    _reference_model_logits(model, ids, route, backward_weights=weights)
+    slow = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            assert not p.requires_grad and name not in fast, f"base weight {name} got a gradient"
+        elif ".unused" in name:
+            assert name not in fast or torch.count_nonzero(fast[name]) == 0, f"{name} must get no gradient"
+        else:
+            assert torch.count_nonzero(fast[name]) > 0, f"{name} was used but got no gradient"
+            # fp32 sums over 49k-vocab logits in another order: tolerance relative to the gradient's scale
+            scale = slow[name].abs().max()
+            torch.testing.assert_close(fast[name], slow[name], atol=1e-5 * scale, rtol=1e-4)
+
+
+def test_decode_step_routes_apply_to_single_tokens(routed):
+    """A cached decode step with a (B, 1) route gives the logits of the full pass at that position."""
+    model, _ = routed
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(8))
+    route = route_patterns(2, 8, "random", seed=9)
+    with torch.no_grad():
+        full = model(ids, routes=route).logits
+        out = model(ids[:, :-1], routes=route[:, :-1], use_cache=True)
+        step = model(ids[:, -1:], routes=route[:, -1:], past_key_values=out.past_key_values).logits
+    torch.testing.assert_close(step[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_fresh_adapter_is_identity_and_only_lora_trains(tiny):
+    model, _ = tiny
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        before = model(ids).logits
+    rolerl.add_adapters(model, ["a", "b"], rank=4)
+    with torch.no_grad():
+        after = model(ids, routes=torch.tensor([[0, 1, 0, 1, -1, 0]])).logits
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert adapter_specs(model)["a"].alpha == 8.0  # alpha defaults to 2 * rank
+
+
+def test_adapters_can_be_added_in_two_calls_and_to_some_modules(tiny):
+    model, _ = tiny
+    rolerl.add_adapters(model, "a", rank=4)
+    rolerl.add_adapters(model, "b", rank=2, target_modules=["q_proj", "v_proj"])
+    paths = {p.rsplit(".", 1)[-1] for p, layer in routed_layers(model) if "b" in layer.lora_A}
+    assert paths == {"q_proj", "v_proj"}
+    randomize_adapters(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(11))
+    route = torch.tensor([[0, 1, 1, -1, 0], [1, 1, 0, 0, -1]])
+    with torch.no_grad():
+        fast = model(ids, routes=route).logits
+        slow = _reference_model_logits(model, ids, route)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+def test_route_index_with_no_adapter_is_rejected(routed):
+    model, _ = routed
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"route index 4 has no adapter; allowed: -1 .* 0\.\.3"):
+        model(ids, routes=torch.tensor([[0, 1, 4, 0]]))
+    with pytest.raises(ValueError, match="route index -2 has no adapter"):
+        model(ids, routes=torch.tensor([[0, -2, 1, 0]]))
+    with pytest.raises(KeyError, match="unknown adapter 'nope'.*'reason'"), rolerl.routes(model, "nope"):
+        pass
+    with pytest.raises(ValueError, match="route index 9"), rolerl.routes(model, 9):
+        pass
+
+
+def test_route_of_wrong_shape_is_rejected(routed):
+    model, _ = routed
+    with pytest.raises(
+        ValueError, match=r"route shape \(1, 3\) does not match the input's \(B, T\) = \(1, 4\)"
+    ):
+        model(torch.zeros(1, 4, dtype=torch.long), routes=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(B, T\) integer tensor"):
+        model(torch.zeros(1, 4, dtype=torch.long), routes=torch.zeros(4))
+    # the failed calls left no route behind
+    assert model._rolerl_route_state.route == -1
+
+
+def test_targets_matching_nothing_are_rejected(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"matches no linear layer.*allowed: 'all-linear'.*'q_proj'"):
+        rolerl.add_adapters(model, "a", target_modules=["attn.qkv"])
+    with pytest.raises(ValueError, match="matches no linear layer"):
+        rolerl.add_adapters(model, "a", target_modules="lm_head")
+
+
+def test_routes_without_adapters_and_duplicate_names_are_rejected(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="no rolerl adapters"), rolerl.routes(model, 0):
+        pass
+    rolerl.add_adapters(model, "a")
+    with pytest.raises(ValueError, match="'a' is taken"):
+        rolerl.add_adapters(model, "a")
