@@ -1,0 +1,179 @@
+"""Per-token log-probs (and entropy) of target tokens from hidden states and the LM head, in chunks.
+
+The trainer needs `log_softmax(h W^T / T)[target]` at every response position. Materialising the
+`(B, T, V)` logits, their log-softmax and its gradient costs `3 · B·T·V` floats (1.7 GB in fp32 at
+B=8, T=384, V=49152), far more than a 135M model's weights. `chunked_logprobs` computes the logits
+`chunk_size` positions at a time, with at most two `(chunk, V)` blocks alive; its backward recomputes
+each block's logits instead of storing them (a custom autograd.Function: the recompute is one matmul
+per chunk, the softmax gradient is formed in place, the head's gradient accumulated with `addmm_`).
+What is saved for backward is one float per position (the log-sum-exp) plus references to `hidden`
+and the head weight, which are alive anyway. `benchmarks/chunked_logprobs.py` measures the peaks.
+
+Alignment is the caller's job: position `p`'s hidden state predicts token `p + 1`, so pass
+`hidden[:, :-1]` with `input_ids[:, 1:]`. The head must be a plain linear (weight `(V, d)`, optional
+bias); a model with final-logit soft-capping or a logit scale needs that folded in first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logp: Tensor  # (B, T) fp32 (fp64 for fp64 inputs) log_softmax(logits / T)[target]; 0 where ignored
+    entropy: Tensor | None  # (B, T) entropy of softmax(logits / T), or None if not asked for
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)  # bf16/fp16/fp32 -> fp32; fp64 stays fp64
+
+
+def _block_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """`(n, d) -> (n, V)` logits / T for one chunk of positions (a fresh buffer, safe to edit)."""
+    acc = _acc_dtype(h)
+    z = (h @ weight.T).to(acc)  # (n, V); the matmul in the model's dtype, softmax maths in >= fp32
+    if bias is not None:
+        z = z + bias.to(acc)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
+        # hidden (N, d), weight (V, d), bias (V,) | None, targets (N,) long with ignore positions < 0
+        n_pos = hidden.shape[0]
+        valid = targets >= 0  # (N,)
+        safe = targets.clamp(min=0)  # (N,) gather index
+        acc = _acc_dtype(hidden)
+        logp = hidden.new_zeros(n_pos, dtype=acc)  # (N,)
+        lse = hidden.new_empty(n_pos, dtype=acc)  # (N,) the only per-position state we keep
+        ent = hidden.new_empty(n_pos if with_entropy else 0, dtype=acc)  # (N,) or (0,)
+        for s in range(0, n_pos, chunk_size):
+            e = min(s + chunk_size, n_pos)
+            z = _block_logits(hidden[s:e], weight, bias, temperature)  # (n, V)
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logp[s:e] = z.gather(1, safe[s:e, None]).squeeze(1) - lse[s:e]
+            if with_entropy:  # H = -Σ p·log p; log p = z - lse is <= 0, so no cancellation of large terms
+                logsm = z.sub_(lse[s:e, None])  # (n, V) log-softmax, in z's buffer
+                ent[s:e] = -_rowdot(logsm.exp(), logsm, hidden.device.type)  # one extra (n, V) buffer
+            del z
+        logp = logp.masked_fill_(~valid, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        # Recompute under the forward's autocast state (bf16 training), or the recomputed logits would
+        # not be the ones whose log-sum-exp we saved.
+        dev = hidden.device.type
+        ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an output the loss does not use arrives as None: skip its work
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        valid = targets >= 0
+        safe = targets.clamp(min=0)
+        if g_logp is None:
+            g_logp = lse.new_zeros(lse.shape)
+        g_logp = torch.where(valid, g_logp, torch.zeros_like(g_logp))  # (N,) ignored targets: no grad
+        grad_h = torch.empty_like(hidden) if need_h else None  # (N, d)
+        acc = lse.dtype
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None  # (V, d)
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None  # (V,)
+        dev, amp_dtype, amp_on = ctx.autocast
+        with torch.autocast(dev, dtype=amp_dtype, enabled=amp_on):
+            _chunked_backward(ctx, hidden, weight, bias, safe, lse, g_logp, g_ent, grad_h, grad_w, grad_b)
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _chunked_backward(ctx, hidden, weight, bias, safe, lse, g_logp, g_ent, grad_h, grad_w, grad_b) -> None:
+    """Accumulate the gradients chunk by chunk into `grad_h (N, d)`, `grad_w (V, d)`, `grad_b (V,)`."""
+    use_ent = g_ent is not None and g_ent.numel() > 0
+    for s in range(0, hidden.shape[0], ctx.chunk_size):
+        e = min(s + ctx.chunk_size, hidden.shape[0])
+        h = hidden[s:e]  # (n, d)
+        z = _block_logits(h, weight, bias, ctx.temperature)  # (n, V) recomputed, not stored
+        # d logp_tgt / dz = onehot(tgt) - p;  dH/dz = -p (z - E_p[z]).  At most two (n, V) buffers live.
+        if use_ent:
+            logsm = z.sub_(lse[s:e, None])  # (n, V) log-softmax, in z's buffer
+            p = logsm.exp()  # (n, V) softmax
+            neg_h = _rowdot(p, logsm, hidden.device.type)  # (n,) E_p[log p] = -H
+            # -p (z - E_p[z]) = -p (log p - E_p[log p]); reuses z's buffer
+            grad_z = logsm.sub_(neg_h[:, None]).mul_(p).mul_(-g_ent[s:e, None])  # (n, V)
+            grad_z.addcmul_(p, g_logp[s:e, None], value=-1.0)
+            del p
+        else:
+            grad_z = z.sub_(lse[s:e, None]).exp_().mul_(-g_logp[s:e, None])  # (n, V) -p·g, in z's buffer
+        grad_z.scatter_add_(1, safe[s:e, None], g_logp[s:e, None])
+        if ctx.temperature != 1.0:
+            grad_z.div_(ctx.temperature)  # chain rule through z = logits / T
+        if grad_b is not None:
+            grad_b += grad_z.sum(dim=0)
+        if grad_h is not None:
+            grad_h[s:e] = grad_z.to(weight.dtype) @ weight  # (n, d), in the autocast dtype if any
+        if grad_w is not None:
+            # In place and in the accumulation dtype (in-place ops are exempt from autocast): no (V, d)
+            # temporary per chunk, and a full-precision weight gradient under bf16 autocast.
+            grad_w.addmm_(grad_z.T, h.to(grad_w.dtype))  # (V, d)
+        del grad_z
+
+
+def _rowdot(a: Tensor, b: Tensor, device_type: str) -> Tensor:
+    """`(a * b).sum(-1)` for `(n, V)` blocks without an `(n, V)` temporary, kept out of autocast."""
+    with torch.autocast(device_type, enabled=False):
+        return torch.bmm(a[:, None, :], b[:, :, None]).view(-1)  # (n,)
+
+
+def chunked_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    with_entropy: bool = False,
+    ignore_index: int = -100,
+) -> TokenLogprobs:
+    """`log_softmax((hidden @ weight.T + bias) / temperature)[targets]`, `chunk_size` positions at a time.
+
+    hidden `(B, T, d)`, weight `(V, d)` (the LM head, or the tied embedding), targets `(B, T)` long.
+    Positions whose target equals `ignore_index` get log-prob 0 and no gradient. Values and gradients
+    (w.r.t. hidden, weight and bias) match `logprobs_from_logits` on the full logits up to float
+    rounding; peak extra memory is `O(chunk_size · V)` instead of `O(B · T · V)`. Entropy, if asked
+    for, is computed from the same chunks and is differentiable too. Not twice differentiable.
+    """
+    if temperature <= 0 or chunk_size <= 0:
+        raise ValueError(f"temperature and chunk_size must be > 0; got {temperature}, {chunk_size}")
+    b, t, d = hidden.shape
+    tgt = targets.reshape(-1).long()  # (N,)
+    tgt = torch.where(tgt == ignore_index, torch.full_like(tgt, -1), tgt)
+    logp, ent = _ChunkedLogprobs.apply(
+        hidden.reshape(b * t, d), weight, bias, tgt, float(temperature), int(chunk_size), with_entropy
+    )
+    return TokenLogprobs(logp=logp.view(b, t), entropy=ent.view(b, t) if with_entropy else None)
+
+
+def logprobs_from_logits(
+    logits: Tensor, targets: Tensor, *, temperature: float = 1.0, ignore_index: int = -100
+) -> Tensor:
+    """The naive reference: `log_softmax(logits / T)[targets]`, `(B, T, V) -> (B, T)`, fp32 (fp64 in, fp64).
+
+    Materialises the full log-softmax; fine for small vocabularies and tests, and the definition
+    `chunked_logprobs` must reproduce.
+    """
+    valid = targets != ignore_index  # (B, T)
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    logsm = torch.log_softmax(logits.to(acc) / temperature, dim=-1)  # (B, T, V)
+    logp = logsm.gather(-1, torch.where(valid, targets, 0).long()[..., None]).squeeze(-1)  # (B, T)
+    return torch.where(valid, logp, torch.zeros_like(logp))

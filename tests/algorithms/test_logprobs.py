@@ -1,0 +1,108 @@
+"""Chunked log-probs == naive log-softmax (values and gradients), plus a value computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from rolerl.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+
+
+def _inputs(dtype=torch.float32, b=3, t=7, d=16, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, d, generator=g, dtype=dtype).requires_grad_()
+    weight = (0.5 * torch.randn(v, d, generator=g, dtype=dtype)).requires_grad_()
+    bias = (0.1 * torch.randn(v, generator=g, dtype=dtype)).requires_grad_()
+    targets = torch.randint(0, v, (b, t), generator=g)
+    targets[0, 2] = targets[-1, -1] = -100  # ignored positions (padding / non-policy)
+    upstream = torch.randn(b, t, generator=g, dtype=dtype)  # a generic upstream gradient
+    return hidden, weight, bias, targets, upstream
+
+
+def test_hand_value():
+    # d = 1, hidden 1, head rows (0, ln 2, ln 5): logits (0, ln 2, ln 5), softmax (1, 2, 5) / 8.
+    hidden = torch.ones(1, 1, 1)
+    weight = torch.tensor([[0.0], [math.log(2)], [math.log(5)]])
+    out = chunked_logprobs(hidden, weight, torch.tensor([[2]]), with_entropy=True)
+    torch.testing.assert_close(out.logp, torch.tensor([[math.log(5 / 8)]]))  # -0.470004
+    h = -sum(p * math.log(p) for p in (1 / 8, 2 / 8, 5 / 8))  # 0.900256
+    torch.testing.assert_close(out.entropy, torch.tensor([[h]]))
+    # temperature 2: logits / 2 = (0, ln sqrt 2, ln sqrt 5); p = (1, 1.414214, 2.236068) / 4.650282
+    out_t = chunked_logprobs(hidden, weight, torch.tensor([[2]]), temperature=2.0)
+    torch.testing.assert_close(
+        out_t.logp, torch.tensor([[math.log(math.sqrt(5) / (1 + math.sqrt(2) + math.sqrt(5)))]])
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 21, 100])  # one position, ragged last chunk, exact, > N
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_equals_naive_fp32(chunk_size, temperature):
+    hidden, weight, bias, targets, up = _inputs()
+    out = chunked_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, chunk_size=chunk_size)
+    grads = torch.autograd.grad((out.logp * up).sum(), (hidden, weight, bias))
+
+    logits = hidden @ weight.T + bias  # (B, T, V): the naive path materialises all of it
+    ref = logprobs_from_logits(logits, targets, temperature=temperature)
+    ref_grads = torch.autograd.grad((ref * up).sum(), (hidden, weight, bias))
+
+    assert out.logp.dtype == torch.float32 and out.entropy is None
+    torch.testing.assert_close(out.logp, ref, rtol=0, atol=2e-6)
+    assert torch.equal(out.logp[0, 2], torch.tensor(0.0)) and torch.equal(out.logp[-1, -1], torch.tensor(0.0))
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_in_the_same_chunks():
+    hidden, weight, bias, targets, up = _inputs()
+    out = chunked_logprobs(
+        hidden, weight, targets, bias=bias, temperature=0.7, chunk_size=5, with_entropy=True
+    )
+    loss = (out.logp * up).sum() - 0.3 * out.entropy.sum()
+    grads = torch.autograd.grad(loss, (hidden, weight, bias))
+
+    logits = hidden @ weight.T + bias
+    ref_ent = entropy_from_logits(logits, temperature=0.7)
+    ref_loss = (logprobs_from_logits(logits, targets, temperature=0.7) * up).sum() - 0.3 * ref_ent.sum()
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight, bias))
+
+    # entropy is defined at every position, ignored targets included
+    torch.testing.assert_close(out.entropy, ref_ent, rtol=0, atol=2e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_gradcheck_fp64():
+    hidden, weight, bias, targets, up = _inputs(torch.float64, b=2, t=3, d=4, v=6)
+
+    def f(h, w, b):
+        out = chunked_logprobs(h, w, targets, bias=b, temperature=0.7, chunk_size=2, with_entropy=True)
+        return (out.logp * up).sum() + (out.entropy * up.flip(0)).sum()
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias), fast_mode=True)
+
+
+def test_frozen_head_gets_no_grad_and_tied_weights_work():
+    hidden, weight, _, targets, up = _inputs()
+    frozen = weight.detach()  # an LM head LoRA does not train
+    out = chunked_logprobs(hidden, frozen, targets, chunk_size=8)
+    (out.logp * up).sum().backward()
+    assert hidden.grad is not None and frozen.grad is None
+
+
+def test_bf16_autocast_matches_naive_under_autocast():
+    hidden, weight, bias, targets, up = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_logprobs(hidden, weight, targets, chunk_size=4)
+        ref = logprobs_from_logits(hidden @ weight.T, targets)
+    gh, gw = torch.autograd.grad((out.logp * up).sum(), (hidden, weight))
+    rh, rw = torch.autograd.grad((ref * up).sum(), (hidden, weight))
+    assert out.logp.dtype == torch.float32 and gh.dtype == torch.float32
+    torch.testing.assert_close(out.logp, ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_arguments():
+    hidden, weight, _, targets, _ = _inputs()
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_logprobs(hidden, weight, targets, chunk_size=0)
