@@ -1,0 +1,108 @@
+"""The topology: which adapter (or the base model) computes each `(role, kind)` of token.
+
+A topology is a table `(role, kind) -> adapter name | None` (None = base only, route -1). `route_of`
+resolves the names to a model's adapter indices, giving the `kind -> route` map that `rolerl.roles.shift`
+turns into per-position routes. Presets (DESIGN "Preset defaults"):
+
+- `shared`: every role and kind -> one adapter `policy` (joint policy, SP);
+- `dart`: `tool_call` -> `tool`, every other kind (prompt, reasoning, tool output, answer) -> `reason`
+  (DART's two token-routed adapters);
+- `isolated`: every kind of a role -> an adapter named after the role (IP), so serving one role's adapter
+  with PEFT or vLLM computes exactly what training computed;
+- `none`: base model only (a frozen reference, or evaluation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from rolerl.roles import KINDS, TOOL_CALL
+
+
+@dataclass(frozen=True)
+class Topology:
+    """`table[(role, kind)]` is the adapter name that computes positions predicting such a token."""
+
+    table: Mapping[tuple[str, str], str | None]
+    preset: str = "custom"
+
+    def __post_init__(self) -> None:
+        roles = self.roles
+        if not roles:
+            raise ValueError("Topology.table is empty: give at least one role")
+        for role, kind in self.table:
+            if kind not in KINDS:
+                raise ValueError(
+                    f"Topology.table has kind {kind!r} for role {role!r}; allowed: {list(KINDS)}"
+                )
+        missing = [(r, k) for r in roles for k in KINDS if (r, k) not in self.table]
+        if missing:
+            raise ValueError(f"Topology.table lacks {missing}; every role needs all kinds {list(KINDS)}")
+
+    @classmethod
+    def from_preset(cls, name: str, roles: Sequence[str]) -> Topology:
+        """The preset `name` (one of `PRESETS`) for the workflow's `roles`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown topology preset {name!r}; allowed: {sorted(PRESETS)}")
+        if not roles or len(set(roles)) != len(roles) or not all(isinstance(r, str) and r for r in roles):
+            raise ValueError(f"roles must be distinct non-empty names; got {list(roles)}")
+        rule = PRESETS[name]
+        return cls({(r, k): rule(r, k) for r in roles for k in KINDS}, preset=name)
+
+    @property
+    def roles(self) -> list[str]:
+        return list(dict.fromkeys(r for r, _ in self.table))
+
+    def adapter_names(self) -> list[str]:
+        """The adapters this topology needs, in order of first use (role order, then `KINDS` order)."""
+        names = (self.table[(r, k)] for r in self.roles for k in KINDS)
+        return list(dict.fromkeys(n for n in names if n is not None))
+
+    def adapter_of(self, role: str, kind: str) -> str | None:
+        if role not in self.roles:
+            raise ValueError(f"unknown role {role!r}; this topology has roles {self.roles}")
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}; allowed: {list(KINDS)}")
+        return self.table[(role, kind)]
+
+    def route_of(self, role: str, adapter_index: Mapping[str, int]) -> dict[str, int]:
+        """`kind -> route` for `role`, with names resolved through the model's `adapter_index`
+        (`{name: i}` in the model's adapter order); base-only kinds get -1."""
+        out: dict[str, int] = {}
+        for kind in KINDS:
+            name = self.adapter_of(role, kind)
+            if name is None:
+                out[kind] = -1
+            elif name in adapter_index:
+                out[kind] = adapter_index[name]
+            else:
+                raise ValueError(
+                    f"topology {self.preset!r} routes ({role!r}, {kind!r}) to adapter {name!r}, "
+                    f"but the model has adapters {list(adapter_index)}"
+                )
+        return out
+
+
+def _shared(role: str, kind: str) -> str | None:
+    return "policy"
+
+
+def _dart(role: str, kind: str) -> str | None:
+    return "tool" if kind == TOOL_CALL else "reason"
+
+
+def _isolated(role: str, kind: str) -> str | None:
+    return role
+
+
+def _none(role: str, kind: str) -> str | None:
+    return None
+
+
+PRESETS: dict[str, Callable[[str, str], str | None]] = {
+    "shared": _shared,
+    "dart": _dart,
+    "isolated": _isolated,
+    "none": _none,
+}
