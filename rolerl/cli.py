@@ -15,6 +15,7 @@ from collections.abc import Callable
 EPILOG = """examples:
   rolerl demo                                  load the default model and sample from it
   rolerl demo --model Qwen/Qwen3-0.6B --prompt "What is 17 * 23?"
+  rolerl generate --prompt "What is 2**10?" --tools python --greedy --json
   rolerl adapters --model default --names reason tool --rank 8 --out adapters/
 """
 
@@ -114,7 +115,95 @@ def _run_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_generate(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True, help="user message (wrapped in the chat template unless --raw)")
+    p.add_argument(
+        "--raw", action="store_true", help="feed the prompt as plain text, without the chat template"
+    )
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="sampled tokens (tool output not counted)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tools", nargs="*", default=[], choices=["python"], help="tools the model may call")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA directory; every token is routed to it")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    """Generate one completion with the rollout engine and show each token's kind and route."""
+    import math
+
+    import rolerl
+    from rolerl.rollout.engine import Engine, GenerationRequest
+    from rolerl.rollout.sampling import SamplingParams
+
+    model, tokenizer = rolerl.load_model(args.model, dtype=args.dtype)
+    route_of = None
+    if args.adapter:
+        rolerl.load_adapter(model, "adapter", args.adapter)
+        route_of = dict.fromkeys(("prompt", "reasoning", "tool_call", "tool_output", "answer"), 0)
+    if args.raw:
+        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
+    else:
+        chat = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt_ids = list(
+            tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
+    tools = {}
+    if "python" in args.tools:
+        from rolerl.tools.python_sandbox import PythonSandbox
+
+        tools["python"] = PythonSandbox()
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        greedy=args.greedy,
+    )
+    engine = Engine(model, tokenizer, max_batch=1, tools=tools)
+    request = GenerationRequest(prompt_ids, sampling, route_of=route_of, tool="python" if tools else None)
+    t0 = time.perf_counter()
+    try:
+        turn = engine.generate([request])[0]
+    finally:
+        engine.close()
+        for tool in tools.values():
+            tool.close()
+    elapsed = time.perf_counter() - t0
+    text = tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
+    result = {
+        "text": text,
+        "completion_ids": turn.completion_ids,
+        "kinds": turn.kinds,
+        "routes": turn.routes[len(prompt_ids) - 1 : -1] if len(turn.routes) >= len(prompt_ids) else [],
+        "logprobs": [None if math.isnan(x) else round(x, 6) for x in turn.logprobs],
+        "finish_reason": turn.finish_reason,
+        "tool_calls": [{"args": c.args, "output": c.output, "error": c.error} for c in turn.tool_calls],
+        "seconds": round(elapsed, 3),
+    }
+    if not args.json:
+        print(text)
+        print(
+            f"[{len(turn.completion_ids)} tokens, {turn.finish_reason}, {len(turn.tool_calls)} tool calls, {elapsed:.1f}s]"
+        )
+    print(json.dumps(result) if args.json else "")
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "generate": (
+        "generate with the rollout engine (tools, routes, log-probs)",
+        _configure_generate,
+        _run_generate,
+    ),
     "demo": ("run the main demo (for now: load a model and sample from it)", _configure_demo, _run_demo),
     "adapters": (
         "create fresh routed adapters and save them as PEFT directories",

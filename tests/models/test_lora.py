@@ -134,7 +134,8 @@ def test_mixed_routes_match_per_token_reference_layer_by_layer(routed, pattern):
     assert len(seen) == len(list(routed_layers(model))) == 2 * 7
     with torch.no_grad():
         slow = _reference_model_logits(model, ids, route)
-    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    # whole-model logits (scale ~30) after 14 layers of fp32 rounding in another summation order
+    torch.testing.assert_close(fast, slow, atol=1e-5 * slow.abs().max(), rtol=1e-5)
 
 
 def _reference_model_logits(model, ids, route, backward_weights=None):

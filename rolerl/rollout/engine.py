@@ -1,0 +1,386 @@
+"""The rollout engine: continuous batching over an engine-owned KV cache, with per-token routes and
+tool output spliced into the rows that called a tool while the other rows keep decoding.
+
+One `step()`:
+  1. rows whose tool finished get the output as forced `tool_output` tokens (DESIGN: fed as
+     [last sampled token, forced tokens], the last forced position routed by what the model writes next);
+  2. waiting requests fill free slots;
+  3. an *extend* forward over rows with several pending tokens (new prompts, spliced output);
+  4. a *decode* forward over all active rows, one token each (rows waiting on a tool ride along with a
+     dummy token whose key goes to a scratch column, so the rows stay slots 0..n-1 and the cache is read
+     as a view);
+  5. sampling, the tag state machine, stop checks; finished rows free their slot (the last row moves in).
+
+Everything training needs is recorded as it happens: token ids, each token's kind, the route each position
+was computed with, and sampling log-probs. The routes fed are checked against `shift` at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from rolerl.roles import Tags, TagStateMachine, encode_exact, format_tool_output, shift, token_bytes
+from rolerl.rollout.kv import KVCache, engine_forward, make_batch
+from rolerl.rollout.sampling import SamplingParams, sample
+from rolerl.tools.base import Tool, ToolResult
+from rolerl.types import ToolCall, Turn
+
+
+@dataclass
+class GenerationRequest:
+    """One model call: a prompt, how to sample, and which adapter each kind of token goes to."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    role: str = "policy"
+    route_of: Mapping[str, int] | None = None  # kind -> adapter index (topology.route_of); None = base only
+    tags: Tags = field(default_factory=Tags)
+    tool: str | None = None  # the engine tool a closed tool tag calls; None = tags are plain text
+    max_tool_calls: int = 4  # per turn; one more call ends the turn with finish_reason "tool_limit"
+    tool_output_tokens: int = 256  # budget of spliced output per call (the tool's text is cut to fit)
+    max_total_tokens: int = 4096  # prompt + completion, spliced output included
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+
+
+@dataclass
+class _Row:
+    req: GenerationRequest
+    handle: int
+    sm: TagStateMachine
+    ids: list[int]
+    kinds: list[str]  # one per position (prompt positions are "prompt")
+    logprobs: list[float] = field(default_factory=list)  # one per completion position
+    fed_routes: list[int] = field(default_factory=list)  # the route each fed position was computed with
+    pending: list[int] = field(default_factory=list)
+    pending_routes: list[int] = field(default_factory=list)
+    cache_len: int = 0
+    sampled: int = 0
+    tail: bytes = b""  # recent completion bytes, for stop strings
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    future: Future | None = None
+    call_started: float = 0.0
+    finish: str | None = None
+
+    def route(self, kind: str) -> int:
+        return -1 if self.req.route_of is None else int(self.req.route_of.get(kind, -1))
+
+
+class Engine:
+    """Batched sampler for HF causal LMs (Llama, Qwen2, Qwen3 families) with routed adapters and tools."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch: int = 32,
+        max_len: int = 4096,
+        max_tokens: int | None = None,
+        tools: Mapping[str, Tool] | None = None,
+        tool_workers: int = 8,
+        sampler=sample,
+    ) -> None:
+        """`sampler(logits, params, seeds, counters) -> (tokens, logprobs)`; tests replace it with a
+        script to drive exact token sequences (teacher forcing) through the real engine."""
+        self.model, self.tokenizer = model, tokenizer
+        self.sampler = sampler
+        self.max_batch, self.max_len = max_batch, max_len
+        self.max_tokens = max_tokens  # token budget: the sum of active rows' maximum lengths
+        self.tools = dict(tools or {})
+        self.pool = ThreadPoolExecutor(tool_workers, thread_name_prefix="rolerl-tool") if self.tools else None
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.lm_head = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.bytes = token_bytes(tokenizer)
+        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = frozenset(
+            [*eos, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
+        )
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.cache: KVCache | None = None
+        self.active: list[_Row] = []  # row i lives in cache slot i
+        self.waiting: deque[_Row] = deque()
+        self.finished: list[tuple[int, Turn]] = []
+        self._next_handle = 0
+        self.stats = {"forward_s": 0.0, "sample_s": 0.0, "steps": 0, "decode_rows": 0, "tool_calls": 0}
+
+    # ---- public API -------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Turn]:
+        """Run `requests` to completion with continuous batching; results in request order."""
+        handles = [self.submit(r) for r in requests]
+        done: dict[int, Turn] = {}
+        while len(done) < len(handles):
+            for handle, turn in self.step():
+                done[handle] = turn
+            if not self.has_work and len(done) < len(handles):
+                raise RuntimeError("engine stalled with unfinished requests")  # a bug, never a user error
+        return [done[h] for h in handles]
+
+    def submit(self, request: GenerationRequest) -> int:
+        if request.tool is not None and request.tool not in self.tools:
+            raise ValueError(f"request calls tool {request.tool!r}; engine tools: {sorted(self.tools)}")
+        if len(request.prompt_ids) >= min(request.max_total_tokens, self.max_len):
+            raise ValueError(
+                f"prompt of {len(request.prompt_ids)} tokens leaves no room (max_len {self.max_len})"
+            )
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        sm = TagStateMachine(request.tags, self.bytes)
+        row = _Row(request, handle, sm, list(request.prompt_ids), ["prompt"] * len(request.prompt_ids))
+        row.pending = list(request.prompt_ids)
+        # prompt position p predicts p+1 (a prompt token, or the first sampled token for the last one)
+        row.pending_routes = [row.route("prompt")] * (len(row.pending) - 1) + [row.route(sm.kind_of_next())]
+        self.waiting.append(row)
+        return handle
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def step(self) -> list[tuple[int, Turn]]:
+        """Advance every active row by one sampled token (or a splice); returns rows that finished."""
+        self.stats["steps"] += 1
+        for row in self.active:
+            if row.future is not None and row.future.done():
+                self._splice_tool_output(row)
+        self._admit()
+        extend = [i for i, r in enumerate(self.active) if r.future is None and len(r.pending) > 1]
+        if extend:
+            self._forward_and_sample(extend)
+        decode = [
+            i for i, r in enumerate(self.active) if r.future is None and len(r.pending) == 1 and not r.finish
+        ]
+        if decode:
+            self._forward_and_sample(list(range(len(self.active))), sample_rows=set(decode))
+        elif not extend and self.active:
+            time.sleep(0.001)  # every row waits on a tool
+        return self._retire()
+
+    def reset(self) -> None:
+        """Drop every active and waiting request (after a failure); the cache is kept."""
+        for row in self.active:
+            if row.future is not None:
+                row.future.cancel()
+        self.active.clear()
+        self.waiting.clear()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        budget = (
+            self.max_tokens - sum(_max_length(r.req, self.max_len) for r in self.active)
+            if self.max_tokens
+            else 0
+        )
+        while self.waiting and len(self.active) < self.max_batch:
+            need = _max_length(self.waiting[0].req, self.max_len)
+            if self.max_tokens and self.active and need > budget:
+                break  # the token budget is full; an empty batch always admits one request
+            budget -= need
+            self._ensure_cache(need)
+            self.active.append(self.waiting.popleft())
+
+    def _ensure_cache(self, need: int) -> None:
+        if self.cache is not None and self.cache.capacity >= need:
+            return
+        capacity = 2 ** math.ceil(math.log2(max(need, 64)))
+        old = self.cache
+        self.cache = KVCache(self.model.config, self.max_batch, capacity, self.dtype, self.device)
+        if old is not None:
+            for i, row in enumerate(self.active):
+                for src, dst in zip((*old.k, *old.v), (*self.cache.k, *self.cache.v), strict=True):
+                    dst[i, :, : row.cache_len] = src[i, :, : row.cache_len]
+
+    def _forward_and_sample(self, indices: list[int], sample_rows: set[int] | None = None) -> None:
+        rows = [self.active[i] for i in indices]
+        live = [sample_rows is None or i in sample_rows for i in indices]
+        width = max(len(r.pending) if ok else 1 for r, ok in zip(rows, live, strict=True))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        routes = torch.full((len(rows), width), -1, dtype=torch.long)
+        n_new = []
+        for b, (row, ok) in enumerate(zip(rows, live, strict=True)):
+            n = len(row.pending) if ok else 0
+            ids[b, :n] = torch.tensor(row.pending[:n], dtype=torch.long)
+            routes[b, :n] = torch.tensor(row.pending_routes[:n], dtype=torch.long)
+            n_new.append(n)
+        t0 = time.perf_counter()
+        batch = make_batch(self.cache, indices, [r.cache_len for r in rows], width, n_new)
+        with torch.inference_mode(), engine_forward(self.model, batch), self._routes(routes):
+            hidden = self.decoder(
+                input_ids=ids.to(self.device), position_ids=batch.positions, use_cache=False
+            ).last_hidden_state  # (B, T, d)
+            last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
+            logits = self.lm_head(hidden[torch.arange(len(rows), device=self.device), last])  # (B, V)
+        t1 = time.perf_counter()
+        self.stats["forward_s"] += t1 - t0
+        keep = [b for b, ok in enumerate(live) if ok]
+        params = [rows[b].req.sampling for b in keep]
+        seeds = torch.tensor([p.seed for p in params], dtype=torch.long)
+        counters = torch.tensor([rows[b].sampled for b in keep], dtype=torch.long)
+        tokens, logps = self.sampler(logits[keep], params, seeds, counters)
+        self.stats["sample_s"] += time.perf_counter() - t1
+        self.stats["decode_rows"] += len(keep)
+        for b, token, logp in zip(keep, tokens.tolist(), logps.tolist(), strict=True):
+            row = rows[b]
+            row.fed_routes.extend(row.pending_routes)
+            row.cache_len += len(row.pending)
+            row.pending, row.pending_routes = [], []
+            self._accept(row, token, logp)
+
+    def _routes(self, routes: torch.Tensor):
+        from contextlib import nullcontext
+
+        from rolerl.models.lora import routes as routes_ctx
+
+        if getattr(self.model, "_rolerl_route_state", None) is None:
+            if bool((routes >= 0).any()):
+                raise ValueError(
+                    "requests route tokens to adapters, but the model has none (rolerl.add_adapters)"
+                )
+            return nullcontext()
+        return routes_ctx(self.model, routes.to(self.device))
+
+    def _accept(self, row: _Row, token: int, logp: float) -> None:
+        """Record one sampled token, advance the tag state machine, and decide what the row does next."""
+        req, sp = row.req, row.req.sampling
+        row.kinds.append(row.sm.kind_of_next())
+        row.ids.append(token)
+        row.logprobs.append(logp)
+        row.sampled += 1
+        events = row.sm.feed(token)
+        row.tail = (row.tail + self.bytes[token])[-256:]
+        if token in self.eos_ids and not sp.ignore_eos or token in sp.stop_token_ids:
+            row.finish = "eos"
+        elif any(s.encode() in row.tail for s in sp.stop):
+            row.finish = "stop"
+        elif row.sampled >= sp.max_new_tokens or len(row.ids) >= _max_length(req, self.max_len):
+            row.finish = "length"
+        if row.finish:
+            return
+        call = next((e for e in events if e.kind == "tool_call"), None)
+        if call is not None and req.tool is not None:
+            if len(row.tool_calls) >= req.max_tool_calls:
+                row.finish = "tool_limit"
+                return
+            row.tool_calls.append(ToolCall(name=req.tool, args=call.body))
+            row.call_started = time.perf_counter()
+            row.future = self.pool.submit(_run_tool, self.tools[req.tool], call.body)
+            row.pending = [token]
+            return
+        row.pending, row.pending_routes = [token], [row.route(row.sm.kind_of_next())]
+
+    def _splice_tool_output(self, row: _Row) -> None:
+        result: ToolResult = row.future.result()
+        row.future = None
+        self.stats["tool_calls"] += 1
+        call = row.tool_calls[-1]
+        text = result.text()
+        body_ids = encode_exact(self.tokenizer, text)
+        if len(body_ids) > row.req.tool_output_tokens:  # cut at a token boundary, then say so
+            head = b"".join(self.bytes[i] for i in body_ids[: row.req.tool_output_tokens])
+            text = head.decode("utf-8", "ignore") + "\n[output truncated]\n"
+        forced = encode_exact(self.tokenizer, format_tool_output(row.req.tags, text))
+        room = _max_length(row.req, self.max_len) - len(row.ids) - 1
+        forced = forced[: max(room, 0)]
+        call.output, call.error = text, not result.ok
+        call.timed_out, call.wall_s = result.timed_out, time.perf_counter() - row.call_started
+        call.start, call.end = (
+            len(row.ids) - len(row.req.prompt_ids),
+            len(row.ids) - len(row.req.prompt_ids) + len(forced),
+        )
+        if not forced:
+            row.finish = "length"
+            return
+        row.sm.feed_forced(forced)
+        row.ids.extend(forced)
+        row.kinds.extend(["tool_output"] * len(forced))
+        row.logprobs.extend([math.nan] * len(forced))
+        # [last sampled, forced...]: all predict tool output, except the last forced, which predicts the
+        # model's next token
+        routes = [row.route("tool_output")] * len(forced) + [row.route(row.sm.kind_of_next())]
+        row.pending, row.pending_routes = [row.pending[0], *forced], routes
+        if len(row.ids) >= _max_length(row.req, self.max_len):
+            row.finish = "length"
+
+    def _retire(self) -> list[tuple[int, Turn]]:
+        out = []
+        i = 0
+        while i < len(self.active):
+            row = self.active[i]
+            if not row.finish:
+                i += 1
+                continue
+            out.append((row.handle, self._turn(row)))
+            last = len(self.active) - 1
+            if i != last:  # keep slots 0..n-1 dense: the last row moves into the freed slot
+                moved = self.active[last]
+                self.cache.move(last, i, moved.cache_len)
+                self.active[i] = moved
+            self.active.pop()
+        return out
+
+    def _turn(self, row: _Row) -> Turn:
+        routes = shift(row.kinds, _RouteOf(row))
+        fed = row.fed_routes
+        if routes[: len(fed)] != fed:
+            bad = next(p for p, (a, b) in enumerate(zip(routes, fed, strict=False)) if a != b)
+            raise AssertionError(f"engine fed route {fed[bad]} at position {bad}, shift() says {routes[bad]}")
+        n = len(row.req.prompt_ids)
+        return Turn(
+            role=row.req.role,
+            prompt_ids=list(row.req.prompt_ids),
+            completion_ids=row.ids[n:],
+            kinds=row.kinds[n:],
+            routes=routes,
+            logprobs=row.logprobs,
+            finish_reason=row.finish,
+            tool_calls=row.tool_calls,
+        )
+
+
+class _RouteOf(Mapping):
+    """`row.route` as the mapping `shift` expects (kinds the topology does not name route to -1)."""
+
+    def __init__(self, row: _Row) -> None:
+        self.row = row
+
+    def __getitem__(self, kind: str) -> int:
+        return self.row.route(kind)
+
+    def __iter__(self):
+        return iter(self.row.req.route_of or {})
+
+    def __len__(self) -> int:
+        return len(self.row.req.route_of or {})
+
+
+def _max_length(req: GenerationRequest, max_len: int) -> int:
+    """The most positions a request can occupy, to size the cache (never more than max_len)."""
+    tools = req.max_tool_calls * (req.tool_output_tokens + 32) if req.tool else 0
+    return min(req.max_total_tokens, max_len, len(req.prompt_ids) + req.sampling.max_new_tokens + tools)
+
+
+def _run_tool(tool: Tool, args: str) -> ToolResult:
+    """A tool error never crashes the batch: it becomes text the model sees."""
+    if not args.strip():
+        return ToolResult(stderr="error: empty tool call\n", exit_code=1)
+    try:
+        return tool.run(args)
+    except Exception as e:  # noqa: BLE001 - any tool failure is the model's observation, not ours
+        return ToolResult(stderr=f"error: {type(e).__name__}: {e}\n", exit_code=1)

@@ -1,0 +1,132 @@
+"""The engine-owned KV cache, plugged into Hugging Face models through transformers' attention interface.
+
+HF caches keep one position for the whole batch; the engine needs one length per row, so that rows can
+splice tool output of different lengths and finished rows can be replaced by waiting requests. The cache
+is preallocated once as `(slots, kv_heads, capacity, head_dim)` per layer and never re-grown per step
+(re-allocation is a large share of HF decode time on CPU, see PERFORMANCE_NOTES).
+
+A forward over `B` rows appends `T` new positions per row (`n_new[b] <= T`; the rest is padding whose
+keys land beyond the row's length and are overwritten before anyone attends to them). Rows are slots
+`0..B-1` in order for decode steps (a view of the cache, no copy), or any slot subset for prefill and
+tool splicing (gathered).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+ATTN_NAME = "rolerl_engine"
+
+
+class KVCache:
+    def __init__(
+        self, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.layers = text.num_hidden_layers
+        self.kv_heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.slots, self.capacity, self.dtype, self.device = slots, capacity, dtype, torch.device(device)
+        # one scratch column beyond `capacity` receives the keys of padding and dummy positions
+        shape = (slots, self.kv_heads, capacity + 1, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layers * self.k[0].numel() * self.k[0].element_size()
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot `src`'s first `length` positions to slot `dst` (compaction after a row finishes)."""
+        for cache in (*self.k, *self.v):
+            cache[dst, :, :length] = cache[src, :, :length]
+
+
+@dataclass
+class Batch:
+    """What the attention function needs to know about the current forward."""
+
+    cache: KVCache
+    slots: torch.Tensor  # (B,) cache slot of each row
+    contiguous: bool  # slots == arange(B): read the cache as a view
+    lens: torch.Tensor  # (B,) positions already in the cache
+    positions: torch.Tensor  # (B, T) lens[:, None] + arange(T): RoPE positions of the new tokens
+    writes: torch.Tensor  # (B, T) cache column of each new key (scratch column for padding)
+    kv_len: int  # max(lens + T): how much of the cache this forward reads
+    mask: torch.Tensor  # (B, 1, T, kv_len) bool, True = attend
+
+
+def make_batch(cache: KVCache, slots: list[int], lens: list[int], width: int, n_new: list[int]) -> Batch:
+    """Row `b` appends `n_new[b] <= width` positions after its `lens[b]` cached ones; the remaining
+    (padding or dummy) positions write to the scratch column `cache.capacity` and are never read."""
+    device = cache.device
+    slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+    n_t = torch.tensor(n_new, dtype=torch.long, device=device)
+    steps = torch.arange(width, device=device)
+    positions = lens_t[:, None] + steps  # (B, T) RoPE positions
+    kv_len = max(max(a + b for a, b in zip(lens, n_new, strict=True)), 1)
+    if kv_len > cache.capacity:
+        raise RuntimeError(f"KV cache capacity {cache.capacity} exceeded ({kv_len}); raise max_len")
+    writes = torch.where(steps[None, :] < n_t[:, None], positions, cache.capacity)  # (B, T)
+    keys = torch.arange(kv_len, device=device)
+    # causal per row; a padding query still sees key 0, so no softmax row is empty (no NaN)
+    mask = keys[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, T, kv_len)
+    contiguous = slots == list(range(len(slots)))
+    return Batch(cache, slot_t, contiguous, lens_t, positions, writes, kv_len, mask)
+
+
+_current: Batch | None = None
+
+
+def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface: write the new keys/values to the engine cache and attend to it.
+
+    query `(B, H, T, D)`, key/value `(B, Hkv, T, D)` after RoPE. Returns `(B, T, H, D)` as HF expects.
+    """
+    batch = _current
+    if batch is None:
+        raise RuntimeError(f"attention implementation {ATTN_NAME!r} is only valid inside the rollout engine")
+    layer = module.layer_idx
+    k_cache, v_cache = batch.cache.k[layer], batch.cache.v[layer]
+    rows = batch.slots[:, None]  # (B, 1) broadcast against positions (B, T)
+    k_cache[rows, :, batch.writes] = key.transpose(1, 2).to(k_cache.dtype)  # (B, T, Hkv, D)
+    v_cache[rows, :, batch.writes] = value.transpose(1, 2).to(v_cache.dtype)
+    n = query.shape[0]
+    if batch.contiguous:
+        k, v = k_cache[:n, :, : batch.kv_len], v_cache[:n, :, : batch.kv_len]
+    else:
+        k = k_cache.index_select(0, batch.slots)[:, :, : batch.kv_len]
+        v = v_cache.index_select(0, batch.slots)[:, :, : batch.kv_len]
+    out = F.scaled_dot_product_attention(
+        query, k.to(query.dtype), v.to(query.dtype), attn_mask=batch.mask, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, engine_attention)
+
+
+@contextmanager
+def engine_forward(model, batch: Batch):
+    """Run `model` with the engine's attention over `batch`, restoring its attention implementation."""
+    global _current
+    register()
+    configs = {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None}
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    _current = batch
+    for c in configs.values():
+        c._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        _current = None
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]

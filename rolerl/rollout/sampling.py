@@ -1,0 +1,127 @@
+"""Sampling for the rollout engine: counter-based per-row RNG and inverse-CDF draws.
+
+Each row owns a seed and a step counter; its uniform for a step is a hash of (seed, counter), so a
+request's tokens do not depend on what else is in the batch or on torch's global RNG. One uniform per
+row per step and an inverse-CDF lookup replace `torch.multinomial`, which spends ~22% of HF's decode
+on this machine (PERFORMANCE_NOTES). Log-probs are the untruncated `log_softmax(logits / T)` of the
+sampled token, as DESIGN requires of every stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers as signed int64 (torch has no uint64 mul)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples. `temperature=0` or `greedy=True` means argmax."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus; 1 = off
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256  # sampled tokens (forced tool output does not count)
+    stop: tuple[str, ...] = ()  # stop strings, matched on the completion's bytes
+    seed: int = 0
+    greedy: bool = False
+    ignore_eos: bool = False  # benchmarks generate fixed lengths
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # extra EOS-like ids
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off); got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if self.temperature == 0:
+            self.greedy = True
+
+    @property
+    def scale(self) -> float:
+        """The temperature log-probs are computed at (1 for greedy, as HF reports greedy scores)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+def _lshr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on negatives)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """splitmix64(seed * golden + counter) -> uniform float64 in [0, 1), elementwise. `(B,)` -> `(B,)`."""
+    z = seed.long() * _GOLDEN + counter.long()
+    z = (z ^ _lshr(z, 30)) * _M1
+    z = (z ^ _lshr(z, 27)) * _M2
+    z = z ^ _lshr(z, 31)
+    return _lshr(z, 11).double() * (1.0 / (1 << 53))
+
+
+def sample(
+    logits: torch.Tensor,  # (B, V)
+    params: list[SamplingParams],
+    seeds: torch.Tensor,  # (B,) long
+    counters: torch.Tensor,  # (B,) long
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return `(tokens (B,), logprobs (B,))`; each row is computed from its own logits and uniform only."""
+    logits = logits.float()
+    scale = torch.tensor([p.scale for p in params], dtype=torch.float32, device=logits.device)
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # (B, V), untruncated
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        u = counter_uniform(seeds[sampled], counters[sampled]).to(logits.device)
+        tokens[sampled] = _inverse_cdf(logp[sampled], [params[i] for i in sampled], u)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _inverse_cdf(logp: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Draw from `softmax(logp)` restricted by each row's top-k / top-p, with one uniform per row.
+
+    Unfiltered rows walk the CDF in vocabulary order, filtered rows in descending-probability order. A
+    row's order depends on its own parameters only, never on its batch neighbours', so the same request
+    draws the same token alone or in any batch.
+    """
+    tokens = torch.empty(len(params), dtype=torch.long, device=logp.device)
+    plain = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
+    if plain:
+        cdf = logp[plain].exp().cumsum(-1)  # (b, V)
+        target = (u[plain] * cdf[:, -1].double()).float()[:, None]
+        # right=True: a zero-probability token (flat CDF step) can never be drawn, even for u = 0
+        tokens[plain] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
+    filtered = [i for i, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1)]
+    if filtered:
+        tokens[filtered] = _filtered(logp[filtered], [params[i] for i in filtered], u[filtered])
+    return tokens
+
+
+def _filtered(logp: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    vocab = logp.shape[-1]
+    k = max(p.top_k if p.top_k > 0 else vocab for p in params)
+    values, index = logp.topk(min(k, vocab), dim=-1)  # (B, k), sorted descending
+    probs = values.exp()
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    for row, p in enumerate(params):
+        if p.top_k > 0:
+            keep[row, p.top_k :] = False
+        if p.top_p < 1:
+            # the smallest prefix whose mass reaches top_p (HF's rule: drop tokens after the mass is reached)
+            before = probs[row].cumsum(0) - probs[row]
+            keep[row] &= before < p.top_p * probs[row].sum()
+    probs = torch.where(keep, probs, torch.zeros((), dtype=probs.dtype))
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1].double()).float()[:, None]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)
+    return index.gather(1, pick).squeeze(1)

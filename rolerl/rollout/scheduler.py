@@ -1,0 +1,101 @@
+"""`await backend.generate(request)` from many concurrent workflow coroutines.
+
+Workflows are plain async functions (`ctx.generate(role, messages)`); each awaits one model call at a
+time, and many run at once. The scheduler feeds all their requests to one engine, whose continuous
+batching mixes roles and adapters in one batch. The engine steps in a background thread (torch releases
+the GIL inside its kernels), so the event loop stays free to run tools and workflow logic.
+
+`RolloutBackend` is the Protocol the vLLM backend implements too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Protocol, runtime_checkable
+
+from rolerl.rollout.engine import Engine, GenerationRequest
+from rolerl.types import Turn
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    async def generate(self, request: GenerationRequest) -> Turn: ...
+
+    def close(self) -> None: ...
+
+
+class EngineBackend:
+    """A `RolloutBackend` over the local `Engine`: requests from any coroutine, batched together."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="rolerl-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: GenerationRequest) -> Turn:
+        if self._closed:
+            raise RuntimeError("backend is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put((request, loop, future))
+        return await future
+
+    def close(self) -> None:
+        self._closed = True
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+        self.engine.close()
+
+    def _loop(self) -> None:
+        while True:
+            for item in self._drain(block=not self.engine.has_work):  # block only when idle
+                if item is None:
+                    self._fail_all(RuntimeError("backend closed"))
+                    return
+                self._submit(*item)
+            if not self.engine.has_work:
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - an engine failure fails every waiting request, loudly
+                self._fail_all(e)
+                self.engine.reset()
+                continue
+            for handle, turn in finished:
+                loop, future = self._waiters.pop(handle)
+                loop.call_soon_threadsafe(_resolve, future, turn, None)
+
+    def _drain(self, block: bool) -> list:
+        items = [self._inbox.get()] if block else []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _submit(self, request: GenerationRequest, loop, future) -> None:
+        try:
+            handle = self.engine.submit(request)
+        except Exception as e:  # noqa: BLE001 - a bad request fails its own caller only
+            loop.call_soon_threadsafe(_resolve, future, None, e)
+            return
+        self._waiters[handle] = (loop, future)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for loop, future in self._waiters.values():
+            loop.call_soon_threadsafe(_resolve, future, None, error)
+        self._waiters.clear()
+
+
+def _resolve(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
