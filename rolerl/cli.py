@@ -17,6 +17,9 @@ EPILOG = """examples:
   rolerl demo --model Qwen/Qwen3-0.6B --prompt "What is 17 * 23?"
   rolerl generate --prompt "What is 2**10?" --tools python --greedy --json
   rolerl adapters --model default --names reason tool --rank 8 --out adapters/
+  rolerl train configs/smoke.yaml --set train.steps=5 run.dir=runs/smoke
+  rolerl train --resume runs/smoke             continue a run from its newest checkpoint
+  rolerl sft configs/smoke.yaml --set sft.data=demos.jsonl run.dir=runs/sft
 """
 
 
@@ -198,6 +201,72 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_args(p: argparse.ArgumentParser, resume: bool) -> None:
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="YAML config" + (" (default: RUN_DIR/config.yaml)" if resume else ""),
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set train.steps=10 optim.lr=1e-4 (values parsed as YAML)",
+    )
+
+
+def _configure_train(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p, resume=True)
+    p.add_argument(
+        "--resume", default=None, metavar="RUN_DIR", help="continue RUN_DIR from its newest checkpoint"
+    )
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    """RL-train the adapters (docs/TRAINING.md): writes config.yaml, metrics.jsonl, TensorBoard logs and
+    checkpoints/step_N/ (PEFT adapters + optimizer, scheduler, RNG) into run.dir."""
+    from pathlib import Path
+
+    from rolerl.config import load_config
+    from rolerl.train.rl import train
+
+    path = args.config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
+    if path is None:
+        raise ValueError("give a CONFIG.yaml (e.g. configs/smoke.yaml) or --resume RUN_DIR")
+    overrides = [*args.overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
+    cfg = load_config(path, overrides)
+    run_dir = train(cfg, resume=args.resume is not None)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    keys = ("step", "reward/mean", "accuracy", "loss/total", "entropy", "logp_mismatch/max_abs")
+    print(json.dumps({"run_dir": str(run_dir), **{k: last[k] for k in keys if k in last}}))
+    return 0
+
+
+def _configure_sft(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p, resume=False)
+    p.add_argument("--data", default=None, help="demonstrations JSONL (overrides sft.data)")
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    """Imitation warm-start of the adapters on role-labelled demonstrations (JSONL of chat messages);
+    writes run.dir/adapters/<name> as PEFT directories, to start RL from with adapters.init."""
+    from rolerl.config import load_config
+    from rolerl.train.sft import sft
+
+    if args.config is None:
+        raise ValueError("give a CONFIG.yaml (e.g. configs/smoke.yaml)")
+    cfg = load_config(args.config, [*args.overrides, *([f"sft.data={args.data}"] if args.data else [])])
+    if not cfg.sft.data:
+        raise ValueError("sft.data is empty: pass --data FILE.jsonl or --set sft.data=FILE.jsonl")
+    print(json.dumps({"adapters": str(sft(cfg))}))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "generate": (
         "generate with the rollout engine (tools, routes, log-probs)",
@@ -210,6 +279,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         _configure_adapters,
         _run_adapters,
     ),
+    "train": ("RL-train adapters from a YAML config (GRPO family)", _configure_train, _run_train),
+    "sft": ("imitation warm-start of adapters on demonstrations", _configure_sft, _run_sft),
 }
 
 

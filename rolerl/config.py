@@ -1,0 +1,389 @@
+"""Run configuration: nested dataclasses with defaults, `Literal` choices and validation, loaded from YAML
+plus `--set section.field=value` overrides.
+
+Every field has a default and a one-line comment; every section validates itself in `__post_init__` with
+an error that names the field (`optim.lr`) and what is allowed (DESIGN style 8). Loading is strict: an
+unknown key is an error that names the nearest valid key, a value of the wrong type is an error that
+names the expected type, and a `Literal` field lists its choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+class ConfigError(ValueError):
+    """A bad key, type or value in a run configuration; the message names the field and what is allowed."""
+
+
+@dataclass
+class Section:
+    """Base of every config section: checks `Literal` fields; subclasses add range checks."""
+
+    _name = ""  # the section's key in `Config` (for error messages)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            hint = typing.get_type_hints(type(self))[f.name]
+            choices = _literal_choices(hint)
+            value = getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ConfigError(f"{self._name}.{f.name}={value!r}; allowed: {list(choices)}")
+        self.check()
+
+    def check(self) -> None:
+        """Range checks; raise through `self.require`."""
+
+    def require(self, ok: bool, name: str, allowed: str) -> None:
+        if not ok:
+            raise ConfigError(f"{self._name}.{name}={getattr(self, name)!r}; allowed: {allowed}")
+
+
+@dataclass
+class ModelConfig(Section):
+    _name = "model"
+    spec: str = "default"  # 'default' (SmolLM2-135M-Instruct), 'tiny:<llama|qwen2|qwen3>', HF id, dir, .gguf
+    dtype: Literal["float32", "bfloat16"] = "float32"  # weights dtype (rollout runs in it too)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
+
+    def check(self) -> None:
+        self.require(bool(self.spec), "spec", "a non-empty model spec")
+
+
+@dataclass
+class AdaptersConfig(Section):
+    _name = "adapters"
+    preset: Literal["shared", "dart", "isolated"] = "shared"  # topology: which adapter each token trains
+    rank: int = 16  # LoRA rank of every adapter
+    alpha: float | None = None  # LoRA alpha; None = 2 * rank
+    target_modules: str | list[str] = "all-linear"  # PEFT-style: 'all-linear', a regex, or module names
+    init: str | None = None  # a directory with one PEFT adapter per name (e.g. `rolerl sft` output)
+
+    def check(self) -> None:
+        self.require(self.rank > 0, "rank", "an integer > 0")
+        self.require(self.alpha is None or self.alpha > 0, "alpha", "None or a number > 0")
+
+
+@dataclass
+class TaskConfig(Section):
+    _name = "task"
+    name: str = "arithmetic"  # a key of rolerl.tasks.TASKS
+    workflow: str = "single_turn"  # a key of rolerl.workflows.WORKFLOWS
+    split: str = "train"  # the split RL samples tasks from
+
+    def check(self) -> None:
+        from rolerl.tasks import TASKS
+        from rolerl.workflows import WORKFLOWS
+
+        self.require(self.name in TASKS, "name", str(sorted(TASKS)))
+        self.require(self.workflow in WORKFLOWS, "workflow", str(sorted(WORKFLOWS)))
+
+
+@dataclass
+class RolloutConfig(Section):
+    _name = "rollout"
+    n: int = 8  # samples per task (the GRPO group size)
+    max_new_tokens: int = 256  # sampled tokens per model call (tool output does not count)
+    temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same one (DESIGN)
+    top_p: float = 1.0  # nucleus sampling; 1 = off (the trainer's log-probs are untruncated either way)
+    max_batch: int = 32  # rows the engine decodes at once
+    tool: Literal["none", "python"] = "none"  # the tool a closed tool tag calls (spliced as tool output)
+    max_tool_calls: int = 4  # per model call
+
+    def check(self) -> None:
+        self.require(self.n >= 1, "n", "an integer >= 1")
+        self.require(self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
+        self.require(self.temperature > 0, "temperature", "a number > 0 (RL samples; greedy is for eval)")
+        self.require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        self.require(self.max_batch >= 1, "max_batch", "an integer >= 1")
+        self.require(self.max_tool_calls >= 0, "max_tool_calls", "an integer >= 0")
+
+
+@dataclass
+class AlgorithmConfig(Section):
+    _name = "algorithm"
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"  # rolerl.algorithms.ADVANTAGES
+    # Advantage group of one model call: `task` = all calls of a task's n episodes; `role` = (task, role);
+    # `role_instance` = (task, role, k-th call of that role in its episode), verl's per-step grouping.
+    group_key: Literal["task", "role", "role_instance"] = "task"
+    loss_agg: LossAgg = "token-mean"  # verl's loss_agg_mode (rolerl.algorithms.AGGREGATIONS)
+    clip_low: float = 0.2  # PPO ratio clip below 1
+    clip_high: float = 0.28  # PPO ratio clip above 1 (DAPO clip-higher 0.28)
+    clip_c: float | None = None  # dual clip for A < 0 (> 1), None = off
+    kl: Literal["k1", "k3"] = "k3"  # KL estimator to the reference (adapters off)
+    beta: float = 0.0  # KL weight; 0 = no reference forward at all
+    entropy_coef: float = 0.0  # entropy bonus weight
+    old_logp: Literal["rollout", "recompute"] = "rollout"  # PPO's old log-probs: the engine's or recomputed
+    tis_cap: float | None = None  # truncated importance sampling cap (needs old_logp=recompute); None = off
+    filter_zero_variance: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
+
+    def check(self) -> None:
+        self.require(0 <= self.clip_low < 1, "clip_low", "a number in [0, 1)")
+        self.require(self.clip_high >= 0, "clip_high", "a number >= 0")
+        self.require(self.clip_c is None or self.clip_c > 1, "clip_c", "None or a number > 1")
+        self.require(self.beta >= 0, "beta", "a number >= 0")
+        self.require(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "None or a number > 0")
+        if self.tis_cap is not None and self.old_logp != "recompute":
+            raise ConfigError(
+                f"algorithm.tis_cap={self.tis_cap} needs algorithm.old_logp='recompute' (TIS reweights "
+                f"rollout samples by trainer/rollout probability); got old_logp={self.old_logp!r}"
+            )
+
+
+@dataclass
+class OptimConfig(Section):
+    _name = "optim"
+    lr: float = 2e-5  # AdamW peak learning rate (PAPERS 1.5: the paper-3 runs use 2e-5 with LoRA)
+    warmup_steps: int = 0  # linear warm-up, in training steps
+    schedule: Literal["cosine", "constant"] = "cosine"  # after warm-up
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    weight_decay: float = 0.01  # AdamW decoupled weight decay (verl default)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+
+    def check(self) -> None:
+        self.require(self.lr > 0, "lr", "a number > 0")
+        self.require(self.warmup_steps >= 0, "warmup_steps", "an integer >= 0")
+        self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "a number in [0, 1]")
+        self.require(self.grad_clip >= 0, "grad_clip", "a number >= 0 (0 = off)")
+        self.require(self.weight_decay >= 0, "weight_decay", "a number >= 0")
+        self.require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "[b1, b2] in [0, 1)"
+        )
+
+
+@dataclass
+class TrainConfig(Section):
+    _name = "train"
+    steps: int = 100  # training steps (one rollout batch each)
+    tasks_per_step: int = 4  # tasks per step; each is rolled out rollout.n times
+    mini_batches: int = 1  # optimizer steps per PPO epoch (the batch is split into this many)
+    ppo_epochs: int = 1  # passes over each step's batch
+    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate (exactly)
+    bf16: bool = False  # bf16 autocast for the training forward (CPU and GPU)
+    logprob_chunk: int = 512  # positions per chunk in the log-prob computation
+
+    def check(self) -> None:
+        for name in (
+            "steps",
+            "tasks_per_step",
+            "mini_batches",
+            "ppo_epochs",
+            "micro_batch_size",
+            "logprob_chunk",
+        ):
+            self.require(getattr(self, name) >= 1, name, "an integer >= 1")
+
+
+@dataclass
+class RunConfig(Section):
+    _name = "run"
+    dir: str = "runs/run"  # the run directory (config, metrics, TensorBoard, checkpoints)
+    seed: int = 0  # seeds tasks, sampling and shuffling
+    checkpoint_every: int = 10  # steps between checkpoints (the last step is always saved)
+    keep_last: int = 3  # checkpoints kept (older ones deleted)
+    tensorboard: bool = True  # write TensorBoard logs when `tensorboard` is installed
+    progress: bool = True  # rich progress bar
+
+    def check(self) -> None:
+        self.require(self.checkpoint_every >= 1, "checkpoint_every", "an integer >= 1")
+        self.require(self.keep_last >= 1, "keep_last", "an integer >= 1")
+
+
+@dataclass
+class SFTConfig(Section):
+    _name = "sft"
+    data: str = ""  # JSONL of demonstrations: {"role": ..., "messages": [chat messages]} per line
+    epochs: int = 1  # passes over the data
+    batch_size: int = 8  # sequences per optimizer step
+    max_len: int = 2048  # longer demonstrations are cut (and warned about)
+    lr: float = 1e-4  # AdamW learning rate for imitation (the rest of `optim` applies)
+
+    def check(self) -> None:
+        self.require(self.epochs >= 1, "epochs", "an integer >= 1")
+        self.require(self.batch_size >= 1, "batch_size", "an integer >= 1")
+        self.require(self.max_len >= 2, "max_len", "an integer >= 2")
+        self.require(self.lr > 0, "lr", "a number > 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: YAML + overrides -> dataclasses, strictly
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read `path` (YAML; None = defaults), apply `section.field=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{str(path)!r} must hold a mapping of sections; got {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides:
+        apply_override(data, item)
+    return from_dict(Config, data)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """`"a.b=value"` into nested `data`; the value is parsed as YAML (`1e-4`, `true`, `[q_proj]`, `null`)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from a mapping: unknown keys and wrong types are `ConfigError`s."""
+    where = path or "config"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping of fields; got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.0)
+            hint = f"; did you mean {(f'{path}.' if path else '') + near[0]!r}?" if near else ""
+            raise ConfigError(f"unknown key {full!r}{hint} (valid keys of {where}: {names})")
+        kwargs[key] = _coerce(hints[key], value, full)
+    return cls(**kwargs)
+
+
+def _literal_choices(hint: Any) -> tuple | None:
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    return None
+
+
+def _type_name(hint: Any) -> str:
+    if get_origin(hint) is Literal:
+        return f"one of {list(get_args(hint))}"
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(hint))
+    if get_origin(hint) is list:
+        return f"a list of {_type_name(get_args(hint)[0])}"
+    return {
+        type(None): "null",
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+    }.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    """`value` as type `hint`, or a `ConfigError` naming `name` and the expected type."""
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, name)
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in [a for a in args if a is not type(None)]:
+            try:
+                return _coerce(arg, value, name)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name}={value!r}; expected {_type_name(hint)}")
+    if origin is Literal:
+        return value  # checked (with the choices in the message) by the section's __post_init__
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}={value!r}; expected {_type_name(hint)}")
+        return [_coerce(get_args(hint)[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{name}={value!r}; expected {_type_name(hint)}")
+
+
+def config_reference() -> str:
+    """Markdown tables of every section's fields, defaults and comments (docs/TRAINING.md is built from it)."""
+    import inspect
+
+    lines: list[str] = []
+    for f in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[f.name]
+        comments = _field_comments(inspect.getsource(cls))
+        lines += [f"### `{f.name}`", "", "| field | default | meaning |", "|---|---|---|"]
+        default = cls()
+        for sf in dataclasses.fields(cls):
+            value = getattr(default, sf.name)
+            choices = _literal_choices(typing.get_type_hints(cls)[sf.name])
+            meaning = comments.get(sf.name, "")
+            if choices:
+                meaning += f" (one of {', '.join(f'`{c}`' for c in choices)})"
+            lines.append(f"| `{sf.name}` | `{value!r}` | {meaning.replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _field_comments(source: str) -> dict[str, str]:
+    """`name -> comment` from `name: type = default  # comment` lines (and a comment block just above)."""
+    out: dict[str, str] = {}
+    above: list[str] = []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# "))
+            continue
+        if ":" in stripped and not stripped.startswith(("def ", "class ", "_name", '"')):
+            name = stripped.split(":", 1)[0].strip()
+            if name.isidentifier():
+                comment = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+                out[name] = " ".join([*above, comment]).strip()
+        above = []
+    return out

@@ -1,0 +1,35 @@
+"""What a task is: examples, a prompt for each, and a reward for a model's text (DESIGN style 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+Messages = list[dict[str, str]]  # chat messages: {"role": "system" | "user" | "assistant", "content": ...}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One task instance. `id` is unique within a step's batch: it is the default advantage group key."""
+
+    id: str
+    question: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        """`n` examples of `split`, a pure function of `(split, n, seed)`."""
+        ...
+
+    def prompt(self, example: Example) -> Messages:
+        """The chat messages the workflow sends (the chat template is applied by the workflow context)."""
+        ...
+
+    def reward(self, example: Example, text: str) -> float:
+        """The outcome reward of a final text; 1.0 means solved (accuracy counts rewards >= 1)."""
+        ...

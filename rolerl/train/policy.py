@@ -1,0 +1,129 @@
+"""The trained model: base + topology adapters, and its routed forward to per-token log-probs.
+
+One forward serves the trainer, the reference (route -1: the same weights with adapters off, no second
+copy) and SFT: the decoder's hidden states under the batch's routes, then `chunked_logprobs` with the
+rollout temperature, so the `(B, T, V)` logits never exist at once (DESIGN "Log-probs").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rolerl.algorithms import TokenLogprobs, chunked_logprobs
+from rolerl.config import Config
+from rolerl.models.adapters_io import load_adapter
+from rolerl.models.load import load_model
+from rolerl.models.lora import adapter_specs, add_adapters
+from rolerl.models.lora import routes as lora_routes
+from rolerl.models.tiny import tiny_model
+from rolerl.models.topology import Topology
+from rolerl.types import TrainBatch
+
+
+@dataclass
+class Policy:
+    model: nn.Module
+    tokenizer: Any
+    topology: Topology
+    route_of: dict[str, dict[str, int]]  # role -> (kind -> adapter index), for rollout, collate and SFT
+    device: torch.device
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(adapter_specs(self.model))
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The adapters' parameters, in a fixed order (the optimizer's state is saved by position)."""
+        return [p for _, p in self.model.named_parameters() if p.requires_grad]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
+    """Load `cfg.model`, add the adapters `cfg.adapters.preset` needs for `roles`, optionally warm-start them
+    from `cfg.adapters.init/<name>` (PEFT directories, e.g. written by `rolerl sft`)."""
+    device = resolve_device(cfg.model.device)
+    spec = cfg.model.spec
+    if spec.startswith("tiny:"):
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        model, tokenizer = tiny_model(spec.split(":", 1)[1], seed=cfg.run.seed, dtype=dtype)  # type: ignore[arg-type]
+        model.to(device)
+    else:
+        model, tokenizer = load_model(spec, dtype=cfg.model.dtype, device=str(device))
+    topology = Topology.from_preset(cfg.adapters.preset, roles)
+    names = topology.adapter_names()
+    targets = cfg.adapters.target_modules
+    add_adapters(model, names, rank=cfg.adapters.rank, alpha=cfg.adapters.alpha, target_modules=targets)
+    if cfg.adapters.init:
+        for name in names:
+            load_adapter(model, name, Path(cfg.adapters.init) / name)
+    model.to(device)
+    index = {n: i for i, n in enumerate(adapter_specs(model))}
+    route_of = {role: topology.route_of(role, index) for role in roles}
+    return Policy(model, tokenizer, topology, route_of, device)
+
+
+def autocast(device: torch.device, bf16: bool):
+    """bf16 autocast on CPU or GPU when asked for, else nothing."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def token_logprobs(
+    model: nn.Module,
+    batch: TrainBatch,
+    *,
+    temperature: float,
+    chunk_size: int = 512,
+    routes: torch.Tensor | int | None = None,
+    with_entropy: bool = False,
+) -> TokenLogprobs:
+    """`(B, T-1)` log-probs (and entropies) of `input_ids[:, 1:]` under `routes` (default: the batch's).
+
+    Column `p` is about token `p + 1`, the alignment of `TrainBatch`'s masks (slice them `[:, :-1]`).
+    Targets off the loss mask are ignored (log-prob 0, no gradient). `routes=-1` is the reference.
+    """
+    ids, mask = batch.input_ids, batch.attention_mask  # (B, T)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) right padding: pads repeat nothing harmful
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    head = model.get_output_embeddings()
+    with lora_routes(model, batch.routes if routes is None else routes):
+        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+    targets = torch.where(batch.loss_mask[:, :-1].bool(), ids[:, 1:], torch.full_like(ids[:, 1:], -100))
+    return chunked_logprobs(
+        hidden[:, :-1],  # (B, T-1, d): position p predicts token p + 1
+        head.weight,
+        targets,
+        bias=head.bias,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+
+
+def select_rows(batch: TrainBatch, rows: torch.Tensor | Sequence[int]) -> TrainBatch:
+    """Rows `rows` of `batch`, with the columns trimmed to the longest selected row (less padding)."""
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    width = max(int(batch.attention_mask[idx].sum(-1).max()), 1) if len(idx) else 1
+    out = {}
+    for key, value in vars(batch).items():
+        if isinstance(value, torch.Tensor):
+            value = value[idx.to(value.device)]
+            out[key] = value[:, :width] if value.dim() == 2 else value
+        elif key == "roles":
+            out[key] = [value[i] for i in idx.tolist()]
+        else:
+            out[key] = value
+    return TrainBatch(**out)

@@ -1,0 +1,159 @@
+"""Imitation warm-start: supervised training of the topology's adapters on role-labelled demonstrations.
+
+Data: JSONL, one conversation per line, `{"role": "<workflow role>", "messages": [chat messages]}` (role
+defaults to "policy"). Each assistant message is one model call, written the way a rollout writes it:
+reasoning, tool calls in the tool tags, tool output in the engine's format (`format_tool_output`), the
+answer. It is cut with `split_segments` and tokenised segment by segment with `splice_tokenize` (the
+engine's own tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce
+(DESIGN). The prompt of a call is the chat template of the messages before it. Routes come from `shift`
+with the topology, so SFT updates exactly the adapter each token would train in RL; the loss
+(token-mean negative log-likelihood) is on policy kinds only, never on prompt or tool output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rolerl.algorithms import AggNorm, aggregate
+from rolerl.config import Config
+from rolerl.models.adapters_io import save_adapter
+from rolerl.roles import ANSWER, PROMPT, REASONING, TOOL_CALL, Tags, shift, splice_tokenize, split_segments
+from rolerl.train.checkpoint import RunDir
+from rolerl.train.policy import autocast, build_policy, select_rows, token_logprobs
+from rolerl.train.update import lr_factor
+from rolerl.types import TrainBatch, Turn, collate
+
+log = logging.getLogger(__name__)
+
+
+def read_demonstrations(path: str | Path) -> list[dict[str, Any]]:
+    """Lines of `{"role": str, "messages": [...]}`; errors name the line."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise ValueError(f"{path}:{n}: expected {{'role': ..., 'messages': [...]}}; got {line[:80]!r}")
+        rows.append({"role": row.get("role", "policy"), "messages": row["messages"]})
+    return rows
+
+
+def demonstration_turns(
+    tokenizer,
+    conversation: Mapping[str, Any],
+    route_of: Mapping[str, Mapping[str, int]],
+    *,
+    tags: Tags | None = None,
+    max_len: int | None = None,
+) -> list[Turn]:
+    """One `Turn` per assistant message: prompt ids from the chat template, completion ids and kinds from
+    `splice_tokenize(split_segments(text))` plus the end-of-turn token the model must learn to sample,
+    routes from `shift`. Log-probs are 0 (unused: SFT has no old policy)."""
+    tags = tags or Tags()
+    role = conversation["role"]
+    if role not in route_of:
+        raise ValueError(f"demonstration role {role!r} is not in the topology; roles: {sorted(route_of)}")
+    messages = list(conversation["messages"])
+    turns = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        enc = tokenizer.apply_chat_template(
+            messages[:i], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        prompt = list(enc["input_ids"])
+        segments = split_segments(message["content"], tags)
+        ids, kinds = splice_tokenize(tokenizer, segments)
+        if tokenizer.eos_token_id is not None:  # the model ends its turn by sampling EOS
+            ids.append(tokenizer.eos_token_id)
+            kinds.append(_end_kind(segments, tags))
+        if max_len is not None and len(prompt) + len(ids) > max_len:
+            log.warning("demonstration cut from %d to %d tokens", len(prompt) + len(ids), max_len)
+            keep = max(max_len - len(prompt), 0)
+            ids, kinds = ids[:keep], kinds[:keep]
+        routes = shift([PROMPT] * len(prompt) + kinds, route_of[role])
+        logprobs = [0.0 if k != "tool_output" else math.nan for k in kinds]
+        turns.append(Turn(role, prompt, ids, kinds, routes, logprobs, "eos"))
+    return turns
+
+
+def _end_kind(segments: Sequence[tuple[str, str]], tags: Tags) -> str:
+    """The tag state after the text: inside a tag only if the last segment opened one and never closed."""
+    if not segments:
+        return REASONING
+    kind, text = segments[-1]
+    closes = {TOOL_CALL: tags.tool_close, ANSWER: tags.answer_close}
+    return kind if kind in closes and not text.endswith(closes[kind] or "") else REASONING
+
+
+def sft_loss(
+    model: torch.nn.Module, batch: TrainBatch, norm: AggNorm, chunk_size: int, bf16: bool
+) -> torch.Tensor:
+    """Token-mean NLL over the policy tokens of `batch`, normalised by the whole batch's `norm`."""
+    with autocast(batch.input_ids.device, bf16):
+        logp = token_logprobs(model, batch, temperature=1.0, chunk_size=chunk_size).logp  # (b, T-1)
+    return aggregate(-logp, batch.loss_mask[:, :-1], "token-mean", norm)
+
+
+def sft(cfg: Config, roles: Sequence[str] | None = None) -> Path:
+    """Train the adapters on `cfg.sft.data`; write them to `cfg.run.dir/adapters/<name>` (PEFT dirs)."""
+    data = read_demonstrations(cfg.sft.data)
+    roles = list(roles) if roles else sorted({row["role"] for row in data})
+    policy = build_policy(cfg, roles)
+    turns = [
+        t
+        for row in data
+        for t in demonstration_turns(policy.tokenizer, row, policy.route_of, max_len=cfg.sft.max_len)
+    ]
+    if not turns:
+        raise ValueError(f"{cfg.sft.data!r} holds no assistant messages to imitate")
+    pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
+    batch_all = collate(turns, [0.0] * len(turns), policy.route_of, role_names=roles, pad_id=pad)
+    params = policy.trainable()
+    steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=cfg.sft.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, o))
+    run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard)
+    run.write_config(cfg)
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    step = 0
+    policy.model.train()
+    try:
+        for epoch in range(cfg.sft.epochs):
+            for rows in torch.randperm(len(turns), generator=generator).split(cfg.sft.batch_size):
+                t0 = time.perf_counter()
+                batch = select_rows(batch_all, rows).to(policy.device)
+                norm = AggNorm.of(batch.loss_mask)
+                optimizer.zero_grad(set_to_none=True)
+                loss = 0.0
+                for start in range(0, len(rows), cfg.train.micro_batch_size):
+                    mb = select_rows(batch, range(start, min(start + cfg.train.micro_batch_size, len(rows))))
+                    part = sft_loss(policy.model, mb, norm, cfg.train.logprob_chunk, cfg.train.bf16)
+                    part.backward()
+                    loss += float(part.detach())
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    params, o.grad_clip if o.grad_clip > 0 else math.inf
+                )
+                optimizer.step()
+                step += 1
+                run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": float(grad_norm),
+                         "lr": scheduler.get_last_lr()[0], "tokens": norm.num_tokens,
+                         "time/step": time.perf_counter() - t0})  # fmt: skip
+                scheduler.step()
+    finally:
+        run.close()
+    policy.model.eval()
+    out = Path(cfg.run.dir) / "adapters"
+    for name in policy.adapter_names:
+        save_adapter(policy.model, name, out / name)
+    return out

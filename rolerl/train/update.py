@@ -1,0 +1,253 @@
+"""The policy update of one training step: PPO epochs x mini-batches x micro-batches.
+
+Each mini-batch is one optimizer step. Its micro-batches are aggregated with one `AggNorm` counted over
+the whole mini-batch, so the accumulated gradient equals the full mini-batch gradient in every
+aggregation mode (verl#7200, verl PR #906: counting normalisers per micro-batch is the classic bug).
+The loss of a micro-batch is PPO clip on the routed forward, plus `beta` x KL to the reference (the same
+model with route -1) and minus `entropy_coef` x entropy, each per token, weighted per sequence, and
+aggregated once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from rolerl.algorithms import KL_ESTIMATORS, AggNorm, aggregate, logp_mismatch, masked_mean, ppo_clip_loss
+from rolerl.algorithms.losses import tis_weights
+from rolerl.config import AlgorithmConfig, OptimConfig
+from rolerl.train.policy import autocast, select_rows, token_logprobs
+from rolerl.types import TrainBatch
+
+
+@dataclass
+class LossSettings:
+    """What the loss needs besides the batch (from `AlgorithmConfig`, the rollout and `TrainConfig`)."""
+
+    algorithm: AlgorithmConfig
+    temperature: float  # the rollout temperature: trainer, KL and entropy use the same T (DESIGN)
+    horizon: int  # seq-mean-token-sum-norm's constant: the max response length
+    chunk_size: int = 512
+    bf16: bool = False
+
+
+@dataclass
+class Sums:
+    """Metrics over micro-batches: loss parts (already globally normalised) add up, `*_max`/`*_min` take
+    the extreme, everything else is a mean weighted by loss tokens."""
+
+    tokens: float = 0.0
+    weighted: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+    minima: dict[str, float] = field(default_factory=dict)
+
+    def add(self, n: float, metrics: dict[str, float]) -> None:
+        self.tokens += n
+        for k, v in metrics.items():
+            if k.startswith("loss/"):
+                self.totals[k] = self.totals.get(k, 0.0) + v
+            elif k.endswith("_max"):
+                self.maxima[k] = max(self.maxima.get(k, float("-inf")), v)
+            elif k.endswith("_min"):
+                self.minima[k] = min(self.minima.get(k, float("inf")), v)
+            else:
+                self.weighted[k] = self.weighted.get(k, 0.0) + v * n
+
+    def merge(self, other: Sums) -> None:
+        self.tokens += other.tokens
+        for k, v in other.weighted.items():
+            self.weighted[k] = self.weighted.get(k, 0.0) + v
+        self.add(0.0, other.totals | other.maxima | other.minima)
+
+    def result(self, optimizer_steps: int = 1) -> dict[str, float]:
+        """Means per token, loss parts per optimizer step, extremes as they are."""
+        out = {k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()}
+        out |= {k: v / max(optimizer_steps, 1) for k, v in self.totals.items()}
+        return out | self.maxima | self.minima
+
+
+def micro_batch_loss(
+    model: nn.Module,
+    mb: TrainBatch,
+    old_logp: Tensor,
+    norm: AggNorm,
+    s: LossSettings,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float], Tensor]:
+    """`(loss, metrics, logp)` of one micro-batch. `old_logp` is `(b, T)` in TrainBatch alignment; `loss`
+    is normalised by the mini-batch's `norm`, so micro-batch losses (and gradients) sum to the full one.
+    `logp` `(b, T-1)` is detached (for the rollout/trainer mismatch)."""
+    alg = s.algorithm
+    mask = mb.loss_mask[:, :-1]  # (b, T-1)
+    with autocast(mb.input_ids.device, s.bf16):
+        out = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True)
+    logp, entropy = out.logp, out.entropy  # (b, T-1)
+    adv = mb.advantages[:, :-1]  # (b, T-1)
+    pg = ppo_clip_loss(
+        logp,
+        old_logp[:, :-1],
+        adv,
+        mask,
+        clip_low=alg.clip_low,
+        clip_high=alg.clip_high,
+        clip_c=alg.clip_c,
+        is_weights=None if is_weights is None else is_weights[:, :-1],
+    )
+    per_token = pg.per_token  # (b, T-1)
+    metrics = pg.stats.metrics()
+    if alg.beta > 0:
+        with torch.no_grad(), autocast(mb.input_ids.device, s.bf16):
+            ref = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, routes=-1)
+        kl = KL_ESTIMATORS[alg.kl](logp, ref.logp)  # (b, T-1)
+        per_token = per_token + alg.beta * kl
+        metrics["kl"] = float(masked_mean(kl.detach(), mask))
+        metrics["loss/kl"] = _part(alg.beta * kl, mb, mask, alg, norm)
+    if alg.entropy_coef > 0:
+        per_token = per_token - alg.entropy_coef * entropy
+        metrics["loss/entropy"] = _part(-alg.entropy_coef * entropy, mb, mask, alg, norm)
+    metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
+    metrics["loss/pg"] = _part(pg.per_token, mb, mask, alg, norm)
+    weighted = per_token * mb.weights[:, None].to(per_token.dtype)  # (b, T-1) per-sequence weights
+    return aggregate(weighted, mask, alg.loss_agg, norm), metrics, logp.detach()
+
+
+def _part(per_token: Tensor, mb: TrainBatch, mask: Tensor, alg: AlgorithmConfig, norm: AggNorm) -> float:
+    """One term's share of the aggregated loss (for metrics)."""
+    return float(aggregate(per_token.detach() * mb.weights[:, None], mask, alg.loss_agg, norm))
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    batch: TrainBatch,
+    old_logp: Tensor,
+    s: LossSettings,
+    micro_batch_size: int,
+    is_weights: Tensor | None = None,
+) -> tuple[float, Sums, Tensor]:
+    """Backward over `batch` in micro-batches, with the normalisers of the whole `batch`.
+
+    Returns the total loss (= the full-batch loss), token-weighted metric sums, and the detached trainer
+    log-probs `(B, T)` in TrainBatch alignment. Gradients accumulate into `.grad` (not zeroed here).
+    """
+    b = batch.input_ids.shape[0]
+    norm = AggNorm.of(batch.loss_mask, horizon=s.horizon)
+    logp_all = torch.zeros_like(batch.old_logp)  # (B, T)
+    total, sums = 0.0, Sums()
+    for start in range(0, b, micro_batch_size):
+        rows = list(range(start, min(start + micro_batch_size, b)))
+        mb = select_rows(batch, rows)
+        width = mb.input_ids.shape[1]
+        extra = [t[rows, :width] for t in (old_logp, *(() if is_weights is None else (is_weights,)))]
+        loss, metrics, logp = micro_batch_loss(
+            model, mb, extra[0], norm, s, extra[1] if len(extra) > 1 else None
+        )
+        loss.backward()
+        total += float(loss.detach())
+        sums.add(float(mb.loss_mask.sum()), metrics)
+        logp_all[rows, : width - 1] = logp.to(logp_all.dtype)
+    return total, sums, logp_all
+
+
+@torch.no_grad()
+def recompute_logprobs(model: nn.Module, batch: TrainBatch, s: LossSettings, micro_batch_size: int) -> Tensor:
+    """The trainer's log-probs of every loss token before any update, `(B, T)` in TrainBatch alignment."""
+    out = torch.zeros_like(batch.old_logp)
+    for start in range(0, batch.input_ids.shape[0], micro_batch_size):
+        rows = list(range(start, min(start + micro_batch_size, batch.input_ids.shape[0])))
+        mb = select_rows(batch, rows)
+        with autocast(mb.input_ids.device, s.bf16):
+            lp = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size).logp
+        out[rows, : mb.input_ids.shape[1] - 1] = lp.float()
+    return out
+
+
+def ppo_update(
+    model: nn.Module,
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    s: LossSettings,
+    *,
+    ppo_epochs: int,
+    mini_batches: int,
+    micro_batch_size: int,
+    grad_clip: float,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """PPO epochs over `batch`; each of `mini_batches` shuffled row subsets is one optimizer step.
+
+    `old_logp: recompute` (or TIS, or several mini-batches) runs one no-grad forward first, so the
+    mismatch to the rollout's log-probs is measured before any update; otherwise the first (only)
+    mini-batch's forward is that measurement, at no extra cost.
+    """
+    alg = s.algorithm
+    mask = batch.loss_mask
+    recompute = alg.old_logp == "recompute" or alg.tis_cap is not None or mini_batches > 1
+    metrics: dict[str, float] = {}
+    trainer_logp = recompute_logprobs(model, batch, s, micro_batch_size) if recompute else None
+    if trainer_logp is not None:
+        metrics |= _mismatch(trainer_logp, batch.old_logp, mask, alg.tis_cap)
+    old = trainer_logp if alg.old_logp == "recompute" else batch.old_logp
+    is_w = tis_weights(trainer_logp, batch.old_logp, cap=alg.tis_cap) if alg.tis_cap is not None else None
+    b = batch.input_ids.shape[0]
+    sums, losses, grad_norms = Sums(), [], []
+    for epoch in range(ppo_epochs):
+        order = torch.randperm(b, generator=generator)
+        for rows in order.tensor_split(mini_batches):
+            if len(rows) == 0:
+                continue
+            sub = select_rows(batch, rows)
+            width = sub.input_ids.shape[1]
+            optimizer.zero_grad(set_to_none=True)
+            loss, mb_sums, logp = accumulate_gradients(
+                model,
+                sub,
+                old[rows, :width],
+                s,
+                micro_batch_size,
+                None if is_w is None else is_w[rows, :width],
+            )
+            if not recompute and epoch == 0:
+                metrics |= _mismatch(logp, sub.old_logp, sub.loss_mask, None)
+            grad_norms.append(_clip(params, grad_clip))
+            optimizer.step()
+            losses.append(loss)
+            sums.merge(mb_sums)
+    metrics |= sums.result(len(losses))
+    metrics["loss/total"] = sum(losses) / max(len(losses), 1)
+    metrics["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+    metrics["optimizer_steps"] = float(len(losses))
+    return metrics
+
+
+def _mismatch(trainer: Tensor, rollout: Tensor, mask: Tensor, cap: float | None) -> dict[str, float]:
+    stats = logp_mismatch(trainer, rollout, mask, cap=cap if cap is not None else 2.0)
+    out = stats.metrics()
+    if cap is None:  # TIS off: its statistics describe nothing that was applied
+        out = {k: v for k, v in out.items() if not k.startswith("logp_mismatch/tis")}
+    return out
+
+
+def _clip(params: Sequence[nn.Parameter], max_norm: float) -> float:
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+
+
+def lr_factor(step: int, total_steps: int, o: OptimConfig) -> float:
+    """The lr multiplier of (0-based) `step`: linear warm-up over `o.warmup_steps`, then constant or cosine
+    towards `o.min_lr_ratio`; the cosine reaches its floor one step after the last, so the last step learns."""
+    if step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return 1.0
+    progress = min((step - o.warmup_steps) / max(total_steps - o.warmup_steps, 1), 1.0)
+    return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

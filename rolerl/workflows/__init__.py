@@ -1,0 +1,13 @@
+"""Workflows: the `Workflow` Protocol, `Context`, and the name -> constructor registry (`task.workflow`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rolerl.tasks.base import Task
+from rolerl.workflows.base import Context, Workflow, derive_seed
+from rolerl.workflows.single_turn import SingleTurn
+
+WORKFLOWS: dict[str, Callable[[Task], Workflow]] = {"single_turn": SingleTurn}
+
+__all__ = ["WORKFLOWS", "Context", "SingleTurn", "Workflow", "derive_seed"]

@@ -1,0 +1,93 @@
+"""What a workflow is, and the `Context` it talks to the model through.
+
+A workflow is a plain async function of `(ctx, example)` that returns an `Episode`; many run at once and
+the rollout backend batches their model calls together. `ctx.generate(role, messages)` applies the chat
+template, routes every token of the call with the topology's table for that role, seeds the call
+deterministically, and records the `Turn` (exact ids, kinds, routes, log-probs) for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rolerl.roles import Tags
+from rolerl.rollout.engine import GenerationRequest
+from rolerl.rollout.sampling import SamplingParams
+from rolerl.rollout.scheduler import RolloutBackend
+from rolerl.tasks.base import Example, Messages
+from rolerl.types import Episode, Turn
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that is a pure function of `parts` (run seed, step, task, sample, call...).
+
+    The engine's sampling is counter-based per request seed, so a call's tokens depend on its seed only:
+    deriving seeds from the call's coordinates makes a resumed run sample exactly what the uninterrupted
+    run sampled.
+    """
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@runtime_checkable
+class Workflow(Protocol):
+    roles: tuple[str, ...]  # the roles it calls `ctx.generate` with (the topology is built for these)
+
+    async def run(self, ctx: Context, example: Example) -> Episode: ...
+
+
+@dataclass
+class Context:
+    """One episode's handle on the model. Fresh per episode; `turns` collects its model calls in order."""
+
+    backend: RolloutBackend
+    tokenizer: Any
+    route_of: Mapping[str, Mapping[str, int]]  # role -> (kind -> adapter index), `Topology.route_of`
+    sampling: SamplingParams  # the run's defaults; `generate(**overrides)` replaces fields per call
+    seed: int  # the episode's seed; call k samples with `derive_seed(seed, k)`
+    tool: str | None = None  # the engine tool a closed tool tag calls; None = tags are plain text
+    tags: Tags = field(default_factory=Tags)
+    max_tool_calls: int = 4
+    turns: list[Turn] = field(default_factory=list)
+
+    async def generate(self, role: str, messages_or_ids: Messages | Sequence[int], **sampling: Any) -> Turn:
+        """One model call as `role`: chat messages (template applied, generation prompt added) or token ids."""
+        if role not in self.route_of:
+            raise ValueError(f"role {role!r} is not in this run's topology; roles: {sorted(self.route_of)}")
+        ids = self.prompt_ids(messages_or_ids)
+        params = dataclasses.replace(self.sampling, seed=derive_seed(self.seed, len(self.turns)), **sampling)
+        request = GenerationRequest(
+            ids,
+            params,
+            role=role,
+            route_of=self.route_of[role],
+            tags=self.tags,
+            tool=self.tool,
+            max_tool_calls=self.max_tool_calls,
+        )
+        self.turns.append(None)  # reserve the call's index before awaiting (seeds stay per call index)
+        index = len(self.turns) - 1
+        turn = await self.backend.generate(request)
+        self.turns[index] = turn
+        return turn
+
+    def prompt_ids(self, messages_or_ids: Messages | Sequence[int]) -> list[int]:
+        if messages_or_ids and isinstance(messages_or_ids[0], int):
+            return list(messages_or_ids)
+        enc = self.tokenizer.apply_chat_template(
+            list(messages_or_ids), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(enc["input_ids"])
+
+    def text(self, turn: Turn) -> str:
+        """The completion as text (tool output included, special tokens dropped)."""
+        return self.tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
+
+    def episode(self, example: Example, reward: float, **metadata: Any) -> Episode:
+        """The finished episode: every recorded turn, the outcome reward, and `correct` = reward >= 1."""
+        metadata.setdefault("correct", reward >= 1.0)
+        return Episode(task_id=example.id, turns=list(self.turns), reward=float(reward), metadata=metadata)
