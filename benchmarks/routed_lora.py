@@ -7,7 +7,7 @@ Sides (each in its own subprocess, same environment, so peak RSS is per side):
   two_contig    rolerl two adapters r=8, contiguous spans (a DART episode: reason / tool / reason)
   two_gather    as two_random with the gather/index_add implementation (to justify the default)
 
-    python benchmarks/routed_lora.py --json            # batch 8 x 384, fp32 and bf16, 6 timed steps
+    python benchmarks/routed_lora.py --json            # batch 8 x 384, fp32 and bf16, 2 rounds x 3 steps
     python benchmarks/routed_lora.py --batch 2 --seq 64 --steps 2 --dtypes float32   # a quick look
 
 The last line with --json is one JSON object with the medians, ratios and peak RSS.
@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--sides", nargs="+", default=SIDES, choices=SIDES)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=384)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per side (median reported)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of all sides, alternating")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
@@ -113,17 +114,32 @@ def main() -> None:
         print(json.dumps(child(args.child, args.dtypes[0], args.batch, args.seq, args.steps, args.warmup)))
         return
 
-    summary: dict = {"batch": args.batch, "seq": args.seq, "steps": args.steps, "threads": 2}
+    summary: dict = {
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": 2,
+    }
     for dtype in args.dtypes:
-        res = {}
-        for side in args.sides:
-            res[side] = run_side(side, dtype, args)
-            r = res[side]
-            print(
-                f"[{dtype}] {side:11s} {r['step_s']:7.2f} s/step  {r['tokens_per_s']:7.1f} tok/s  "
-                f"peak RSS {r['peak_rss_mb']:7.0f} MB  steps {r['steps_s']}",
-                flush=True,
-            )
+        # Sides alternate in rounds, so load from anything else on the machine spreads over all of them.
+        runs: dict[str, list[dict]] = {side: [] for side in args.sides}
+        for round_ in range(args.rounds):
+            for side in args.sides:
+                r = run_side(side, dtype, args)
+                runs[side].append(r)
+                print(
+                    f"[{dtype} round {round_}] {side:11s} {r['step_s']:7.2f} s/step  "
+                    f"peak RSS {r['peak_rss_mb']:7.0f} MB  steps {r['steps_s']}  fwd/bwd/opt {r['fwd_bwd_opt_s']}",
+                    flush=True,
+                )
+        res = {
+            side: {
+                "step_s": statistics.median(t for r in rs for t in r["steps_s"]),
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+            }
+            for side, rs in runs.items()
+        }
         d = {f"{side}_step_s": round(r["step_s"], 3) for side, r in res.items()}
         d |= {f"{side}_peak_rss_mb": round(r["peak_rss_mb"]) for side, r in res.items()}
         if {"peft", "single"} <= res.keys():

@@ -102,9 +102,16 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:
         k = k_cache.index_select(0, batch.slots)[:, :, : batch.kv_len]
         v = v_cache.index_select(0, batch.slots)[:, :, : batch.kv_len]
-    out = F.scaled_dot_product_attention(
-        query, k.to(query.dtype), v.to(query.dtype), attn_mask=batch.mask, scale=scaling, enable_gqa=True
-    )
+    k, v = k.to(query.dtype), v.to(query.dtype)
+    b, heads, t, d = query.shape
+    groups = heads // k.shape[1]
+    if t == 1 and groups > 1:
+        # Decode: the query heads sharing a KV head become that head's "query positions" (HF's repeat_kv
+        # maps query head h to KV head h // groups), so grouped-query attention needs no copy of K/V.
+        q = query.view(b, k.shape[1], groups, d)  # (B, Hkv, G, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scaling)  # (B, Hkv, G, D)
+        return out.reshape(b, 1, heads, d), None
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 

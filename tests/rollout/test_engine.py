@@ -78,8 +78,23 @@ def test_greedy_equals_peft_generate_with_an_adapter_on_every_token(tiny):
 
 
 @pytest.mark.slow
-def test_greedy_equals_hf_on_default_model(default_model_cpu):
-    model, tok = default_model_cpu
+@pytest.mark.parametrize("adapter", [False, True])
+def test_greedy_equals_hf_on_default_model(default_model_cpu, adapter):
+    base, tok = default_model_cpu
+    model, hf_model, route_of = base, base, None
+    if adapter:  # a non-zero adapter on every token, against PEFT with the same weights
+        model = copy.deepcopy(base)
+        rolerl.add_adapters(model, "policy", rank=8, alpha=16)
+        randomize_adapters(model, std=0.02)
+        hf_model = get_peft_model(
+            copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+        )
+        with torch.no_grad():
+            for path, layer in rolerl.models.lora.routed_layers(model):
+                target = hf_model.base_model.model.get_submodule(path)
+                target.lora_A["default"].weight.copy_(layer.lora_A["policy"])
+                target.lora_B["default"].weight.copy_(layer.lora_B["policy"])
+        route_of = dict.fromkeys(ALL_KINDS, 0)
     chats = [
         [{"role": "user", "content": q}] for q in ["What is 2+3?", "Name a colour.", "Say hello in French."]
     ]
@@ -87,10 +102,13 @@ def test_greedy_equals_hf_on_default_model(default_model_cpu):
         tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         for c in chats
     ]
-    reqs = [GenerationRequest(list(i), SamplingParams(greedy=True, max_new_tokens=16)) for i in ids]
+    reqs = [
+        GenerationRequest(list(i), SamplingParams(greedy=True, max_new_tokens=16), route_of=route_of)
+        for i in ids
+    ]
     turns = Engine(model, tok, max_batch=2).generate(reqs)  # 3 requests through 2 slots
     for req, turn in zip(reqs, turns, strict=True):
-        assert turn.completion_ids == hf_greedy(model, req.prompt_ids, 16)
+        assert turn.completion_ids == hf_greedy(hf_model, req.prompt_ids, 16)
 
 
 # ---- scripted episodes: exact tokens through the real engine ---------------------------------------------
@@ -336,3 +354,69 @@ def test_real_sandbox_calls_errors_and_tool_limit(tiny, sandbox):
     assert "ZeroDivisionError" in tok.decode(error.completion_ids), "the model sees the traceback"
     assert limited.finish_reason == "tool_limit" and len(limited.tool_calls) == 1
     assert tok.decode(limited.completion_ids).endswith("</code>"), "the turn ends at the call over the limit"
+
+
+def test_stop_strings_truncation_budget_and_empty_call(tiny):
+    model, tok = tiny
+    texts = ["Think<code>long()</code>more", "Say <answer>7</answer> then more text", "x<code>  </code>y"]
+    scripts = {seed: prompt_ids(tok, t) for seed, t in enumerate(texts)}
+
+    class LongTool:
+        name, description = "long", "prints a lot"
+
+        def run(self, args: str) -> ToolResult:
+            return ToolResult(stdout="word " * 500)
+
+    engine = Engine(model, tok, max_batch=3, tools={"long": LongTool()}, sampler=scripted_sampler(scripts))
+    reqs = [
+        GenerationRequest(
+            prompt_ids(tok, "Q:"),
+            SamplingParams(seed=seed, max_new_tokens=len(s), stop=("</answer>",)),
+            tool="long",
+            tool_output_tokens=20,
+        )
+        for seed, s in scripts.items()
+    ]
+    long, stopped, empty = engine.generate(reqs)
+    engine.close()
+    call = long.tool_calls[0]
+    assert call.output.endswith("[output truncated]\n") and call.output.count("word") <= 20
+    assert call.end - call.start <= 20 + 16, "spliced output is cut to the token budget"
+    assert stopped.finish_reason == "stop" and tok.decode(stopped.completion_ids).endswith("</answer>")
+    assert stopped.kinds[-1] == "answer", "the closing tag's token keeps the answer kind"
+    assert empty.tool_calls[0].error and "empty tool call" in empty.tool_calls[0].output
+
+
+def test_bf16_engine_matches_teacher_forcing_loosely(tokenizer):
+    model, tok = rolerl.tiny_model("qwen3", dtype=torch.bfloat16, tokenizer=tokenizer)
+    req = GenerationRequest(prompt_ids(tok, "Hello there"), SamplingParams(seed=3, max_new_tokens=16))
+    turn = Engine(model, tok).generate([req])[0]
+    assert len(turn.completion_ids) == 16
+    forced = teacher_forced_logprobs_base(model, req.prompt_ids + turn.completion_ids)[
+        len(req.prompt_ids) - 1 :
+    ]
+    # bf16 rounding differs between a cached decode and a full forward: rollout and recompute agree only
+    # in fp32 (DESIGN), which is why the trainer can log and correct the mismatch
+    assert max(abs(a - b) for a, b in zip(turn.logprobs, forced, strict=True)) < 0.25
+
+
+def teacher_forced_logprobs_base(model, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return [float(logp[p - 1, ids[p]]) for p in range(1, len(ids))]
+
+
+def test_generate_cli_prints_tokens_kinds_routes_as_json(tiny, tmp_path, capsys):
+    import json
+
+    from rolerl.cli import main
+
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    argv = ["generate", "--model", str(tmp_path / "m"), "--raw", "--prompt", "1, 2, 3,", "--greedy"]
+    assert main([*argv, "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["completion_ids"]) == len(out["kinds"]) == len(out["routes"]) == len(out["logprobs"]) == 6
+    assert out["completion_ids"] == hf_greedy(model, prompt_ids(tok, "1, 2, 3,"), 6)
+    assert set(out["routes"]) == {-1} and out["finish_reason"] == "length"
