@@ -99,6 +99,9 @@ class RolloutConfig(Section):
     max_batch: int = 32  # rows the engine decodes at once
     tool: Literal["none", "python"] = "none"  # the tool a closed tool tag calls (spliced as tool output)
     max_tool_calls: int = 4  # per model call
+    # lockstep: the engine steps only when every episode waits on it (deterministic, exact resume);
+    # threaded: EngineBackend's free-running engine thread (batch composition depends on timing)
+    backend: Literal["lockstep", "threaded"] = "lockstep"
 
     def check(self) -> None:
         self.require(self.n >= 1, "n", "an integer >= 1")

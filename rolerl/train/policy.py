@@ -64,7 +64,10 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
     topology = Topology.from_preset(cfg.adapters.preset, roles)
     names = topology.adapter_names()
     targets = cfg.adapters.target_modules
-    add_adapters(model, names, rank=cfg.adapters.rank, alpha=cfg.adapters.alpha, target_modules=targets)
+    # LoRA's A is drawn from the global RNG: seed it from the run, so two same-seed runs start identical
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)
+        add_adapters(model, names, rank=cfg.adapters.rank, alpha=cfg.adapters.alpha, target_modules=targets)
     if cfg.adapters.init:
         for name in names:
             load_adapter(model, name, Path(cfg.adapters.init) / name)

@@ -22,8 +22,9 @@ import torch
 from rolerl.algorithms import ADVANTAGES, zero_variance_mask
 from rolerl.config import Config
 from rolerl.rollout.engine import Engine
+from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
-from rolerl.rollout.scheduler import EngineBackend
+from rolerl.rollout.scheduler import EngineBackend, RolloutBackend
 from rolerl.tasks import TASKS, Example, Task
 from rolerl.train.checkpoint import RunDir, checkpoints, clean_partial, load_checkpoint, save_checkpoint
 from rolerl.train.policy import Policy, build_policy
@@ -37,17 +38,19 @@ def train(
     *,
     task: Task | None = None,
     workflow: Workflow | None = None,
+    policy: Policy | None = None,
     resume: bool = False,
     stop_after: int | None = None,
 ) -> Path:
     """Run `cfg.train.steps` steps (continuing from the newest checkpoint of `cfg.run.dir` if `resume`).
 
-    `task`/`workflow` override the config's registry names (tests, notebooks). `stop_after` ends the run
-    after that step, as an interruption would. Returns the run directory.
+    `task`/`workflow` override the config's registry names and `policy` the model the config names
+    (tests, notebooks: `build_policy(cfg, workflow.roles)`). `stop_after` ends the run after that step,
+    as an interruption would. Returns the run directory.
     """
     task = task if task is not None else TASKS[cfg.task.name]()
     workflow = workflow if workflow is not None else WORKFLOWS[cfg.task.workflow](task)
-    policy = build_policy(cfg, workflow.roles)
+    policy = policy if policy is not None else build_policy(cfg, workflow.roles)
     params = policy.trainable()
     optimizer = torch.optim.AdamW(
         params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
@@ -66,7 +69,8 @@ def train(
         ]
     run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard, resume_step=start if resume else None)
     run.write_config(cfg)
-    backend = EngineBackend(_engine(cfg, policy))
+    engine = _engine(cfg, policy)
+    backend = LockstepBackend(engine) if cfg.rollout.backend == "lockstep" else EngineBackend(engine)
     last = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
     try:
         with _progress(cfg, start) as progress:
@@ -98,7 +102,7 @@ def train_step(
     policy: Policy,
     params: Sequence[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
-    backend: EngineBackend,
+    backend: RolloutBackend,
     task: Task,
     workflow: Workflow,
 ) -> dict[str, float]:
@@ -161,7 +165,7 @@ async def rollout(
     cfg: Config,
     step: int,
     policy: Policy,
-    backend: EngineBackend,
+    backend: RolloutBackend,
     workflow: Workflow,
     examples: list[Example],
 ) -> list[Episode]:
@@ -179,6 +183,8 @@ async def rollout(
                        max_tool_calls=cfg.rollout.max_tool_calls)  # fmt: skip
 
     runs = [workflow.run(context(i, j), ex) for i, ex in enumerate(examples) for j in range(cfg.rollout.n)]
+    if isinstance(backend, LockstepBackend):
+        runs = [backend.episode(run) for run in runs]
     return list(await asyncio.gather(*runs))
 
 

@@ -1,0 +1,105 @@
+"""A deterministic `RolloutBackend`: the engine steps only when every live episode is waiting on it.
+
+`EngineBackend` steps the engine in a free-running thread, so which requests share a forward depends on
+when each coroutine got to submit. The engine's sampling is counter-based per request, but its forward
+is batch-invariant only up to float rounding, and a near tie in a peaked distribution then flips a token
+(tests/rollout/test_engine.py reports such ties). Two same-seed runs, or a run and its resumption, could
+then sample differently. Here the engine is stepped from the event loop, and only once every episode
+started with `episode()` is blocked in `generate` (or done), so batch composition is a function of the
+requests alone and a resumed run samples exactly what the uninterrupted one did.
+
+Exact for workflows whose only awaits are model calls (fan-out with `asyncio.gather` included). Engine
+tools finish on their own threads, so a tool-using rollout's splice timing is still wall-clock dependent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from rolerl.rollout.engine import Engine, GenerationRequest
+from rolerl.types import Turn
+
+T = TypeVar("T")
+_EPISODE: contextvars.ContextVar[int | None] = contextvars.ContextVar("rolerl_episode", default=None)
+
+
+class LockstepBackend:
+    """Run episodes with `await backend.episode(coro)` (all of a step's at once, e.g. via gather)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ids = itertools.count()
+        self._outstanding: dict[int, int] = {}  # live episode -> requests submitted and not yet finished
+        self._owner: dict[int, tuple[int, asyncio.Future]] = {}  # engine handle -> (episode, future)
+        self._changed: asyncio.Event | None = None
+        self._pump: asyncio.Task | None = None
+
+    async def episode(self, coro: Awaitable[T]) -> T:
+        """Run one episode's coroutine; the engine waits for it whenever it is not waiting on the engine."""
+        ep = next(self._ids)
+        self._outstanding[ep] = 0
+        token = _EPISODE.set(ep)
+        self._ensure_pump()
+        try:
+            return await coro
+        finally:
+            _EPISODE.reset(token)
+            del self._outstanding[ep]
+            self._changed.set()
+
+    async def generate(self, request: GenerationRequest) -> Turn:
+        ep = _EPISODE.get()
+        if ep is None or ep not in self._outstanding:
+            raise RuntimeError("LockstepBackend.generate must be called inside backend.episode(...)")
+        handle = self.engine.submit(request)  # never during a step: every episode is blocked then
+        future = asyncio.get_running_loop().create_future()
+        self._owner[handle] = (ep, future)
+        self._outstanding[ep] += 1
+        self._ensure_pump()
+        self._changed.set()
+        return await future
+
+    def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        self.engine.close()
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _ensure_pump(self) -> None:
+        if self._changed is None or self._pump is None or self._pump.done():
+            self._changed = asyncio.Event()
+            self._pump = asyncio.get_running_loop().create_task(self._run())
+
+    def _all_waiting(self) -> bool:
+        return all(n > 0 for n in self._outstanding.values())
+
+    async def _run(self) -> None:
+        while self._outstanding or self._owner:
+            while not self._all_waiting():
+                self._changed.clear()
+                await self._changed.wait()
+            if not self.engine.has_work:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - an engine failure fails every waiting request, loudly
+                self.engine.reset()
+                for _, future in self._owner.values():
+                    if not future.done():
+                        future.set_exception(e)
+                self._owner.clear()
+                for ep in self._outstanding:
+                    self._outstanding[ep] = 0
+                continue
+            for handle, turn in finished:
+                ep, future = self._owner.pop(handle)
+                self._outstanding[ep] -= 1  # now, not when the coroutine resumes: the next step waits for it
+                future.set_result(turn)
+            await asyncio.sleep(0)  # let resumed coroutines run before checking again

@@ -1,0 +1,137 @@
+"""The RL loop on the tiny model: a 2-step smoke run, exact resume, checkpoints, and `rolerl train`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from rolerl.cli import main
+from rolerl.config import load_config
+from rolerl.models.adapters_io import load_adapter
+from rolerl.train.checkpoint import RunDir, checkpoints, clean_partial, save_checkpoint
+from rolerl.train.policy import build_policy
+from rolerl.train.rl import train
+from rolerl.workflows import SingleTurn
+from tests.workflows.test_single_turn import EchoTask
+
+TINY = [
+    "model.spec=tiny:llama",
+    "model.device=cpu",
+    "rollout.n=4",
+    "rollout.max_new_tokens=12",
+    "train.tasks_per_step=2",
+    "train.micro_batch_size=3",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=1",
+    "adapters.rank=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+
+
+def tiny_config(tmp_path, *extra: str):
+    return load_config(None, [*TINY, f"run.dir={tmp_path}", *extra])
+
+
+def test_two_step_smoke_run_trains_adapters_only(tmp_path):
+    cfg = tiny_config(tmp_path / "run", "train.steps=2", "algorithm.beta=0.05", "train.mini_batches=2")
+    task = EchoTask()
+    workflow = SingleTurn(task)
+    policy = build_policy(cfg, workflow.roles)
+    base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" not in n}
+    adapters = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" in n}
+    run_dir = train(cfg, task=task, workflow=workflow, policy=policy)
+    rows = RunDir(run_dir, tensorboard=False).read_metrics()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["reward/std"] > 0 and rows[0]["advantage/abs_mean"] > 0, "the echo task gives a signal"
+    for r in rows:
+        assert all(
+            math.isfinite(r[k]) for k in ("loss/total", "loss/pg", "loss/kl", "kl", "entropy", "grad_norm")
+        )
+        assert r["logp_mismatch/max_abs"] < 1e-3 and r["optimizer_steps"] == 2.0
+        assert r["role/policy/turns"] == 8.0 and "time/rollout" in r and "tools/calls" in r
+    assert rows[0]["lr"] == pytest.approx(0.01)  # warm-up step 1 of 1: the full lr
+    params = dict(policy.model.named_parameters())
+    assert all(torch.equal(params[n], w) for n, w in base.items()), "base weights never change"
+    assert any(not torch.equal(params[n], w) for n, w in adapters.items()), "adapters learn"
+    # The final checkpoint holds PEFT adapters equal to the trained weights.
+    ((step, path),) = checkpoints(run_dir)[-1:]
+    assert step == 2 and (path / "adapters" / "policy" / "adapter_config.json").is_file()
+    fresh = build_policy(cfg, workflow.roles)
+    load_adapter(fresh.model, "policy", path / "adapters" / "policy")
+    loaded = dict(fresh.model.named_parameters())
+    assert all(torch.equal(loaded[n], params[n]) for n in adapters)
+    assert load_config(run_dir / "config.yaml") == cfg
+
+
+def strip_time(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
+    extra = ("train.steps=3", "run.checkpoint_every=1", "run.keep_last=2", "rollout.max_new_tokens=8")
+    task = EchoTask()
+    full = train(tiny_config(tmp_path / "full", *extra), task=task, workflow=SingleTurn(task))
+    cut_cfg = tiny_config(tmp_path / "cut", *extra)
+    train(cut_cfg, task=task, workflow=SingleTurn(task), stop_after=2)
+    # Killed while writing step 2's checkpoint: its metrics line exists, the newest whole checkpoint is step 1.
+    step_2 = dict(checkpoints(cut_cfg.run.dir))[2]
+    step_2.rename(step_2.with_name(".step_2-partial"))
+    assert [s for s, _ in checkpoints(cut_cfg.run.dir)] == [1]
+    assert len(RunDir(cut_cfg.run.dir, tensorboard=False).read_metrics()) == 2
+    train(cut_cfg, task=task, workflow=SingleTurn(task), resume=True)
+    got = strip_time(RunDir(cut_cfg.run.dir, tensorboard=False).read_metrics())
+    want = strip_time(RunDir(full, tensorboard=False).read_metrics())
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got == want  # bit-identical metrics (losses, rewards, grad norms), not just close
+    assert [s for s, _ in checkpoints(cut_cfg.run.dir)] == [2, 3]  # keep_last=2
+    assert not (tmp_path / "cut" / "checkpoints" / ".step_2-partial").exists()
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoints/step_N"):
+        train(tiny_config(tmp_path), task=EchoTask(), workflow=SingleTurn(EchoTask()), resume=True)
+
+
+def test_checkpoints_keep_last_k_and_are_atomic(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path)
+    policy = build_policy(cfg, ["policy"])
+    params = policy.trainable()
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, step, policy.model, ["policy"], opt, sched, keep_last=2)
+    assert [s for s, _ in checkpoints(tmp_path)] == [3, 4]
+    state = torch.load(tmp_path / "checkpoints" / "step_4" / "state.pt", weights_only=False)
+    assert state["step"] == 4 and {"optimizer", "scheduler", "rng"} <= set(state)
+    assert set(state["rng"]) >= {"python", "numpy", "torch"}
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 5, policy.model, ["policy"], opt, sched, keep_last=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"], (
+        "no half-written step_5, no temp dir"
+    )
+    (root / ".step_6-leftover").mkdir()  # what a killed process leaves
+    assert [s for s, _ in checkpoints(tmp_path)] == [3, 4]
+    clean_partial(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
+
+
+def test_cli_train_and_config_errors(tmp_path, capsys):
+    run_dir = tmp_path / "cli"
+    code = main(["train", "configs/smoke.yaml", "--set", *TINY, "train.steps=1", f"run.dir={run_dir}"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step"] == 1 and out["run_dir"] == str(run_dir)
+    assert (run_dir / "checkpoints" / "step_1" / "adapters" / "policy").is_dir()
+    assert main(["train", "configs/smoke.yaml", "--set", "optim.lr=fast"]) == 2
+    assert "optim.lr='fast'; expected a number" in capsys.readouterr().err
+    assert main(["train"]) == 2

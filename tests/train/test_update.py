@@ -1,0 +1,167 @@
+"""The update on the tiny model: micro-batched == full-batch gradients for the real loss, KL exactly zero
+at zero adapters, recompute/TIS bookkeeping, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rolerl
+from rolerl.config import AlgorithmConfig, OptimConfig
+from rolerl.models.topology import Topology
+from rolerl.roles import ANSWER, REASONING, TOOL_CALL, TOOL_OUTPUT, shift
+from rolerl.train.policy import token_logprobs
+from rolerl.train.update import LossSettings, accumulate_gradients, lr_factor, micro_batch_loss, ppo_update
+from rolerl.types import Turn, collate
+from tests.models.test_lora import randomize_adapters
+
+R, C, X, A = REASONING, TOOL_CALL, TOOL_OUTPUT, ANSWER
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+def dart_model(tokenizer, randomize: bool = True, dtype: torch.dtype = torch.float32):
+    model, tok = rolerl.tiny_model("llama", seed=0, tokenizer=tokenizer, dtype=dtype)
+    rolerl.add_adapters(model, ["reason", "tool"], rank=4)
+    if randomize:
+        randomize_adapters(model, seed=1, std=0.1)
+    route_of = Topology.from_preset("dart", ["policy"]).route_of("policy", {"reason": 0, "tool": 1})
+    return model, tok, route_of
+
+
+def hand_batch(model, route_of, n: int = 5, seed: int = 0):
+    """`n` turns of different lengths mixing every kind; old log-probs = the model's own plus noise, so
+    some ratios clip; advantages of both signs; per-sequence weights."""
+    g = torch.Generator().manual_seed(seed)
+    pattern = [R, R, C, C, C, X, X, R, A, A, R]
+    turns = []
+    for i in range(n):
+        prompt = torch.randint(3, 4000, (3 + i,), generator=g).tolist()
+        kinds = pattern[: 5 + i]
+        completion = torch.randint(3, 4000, (len(kinds),), generator=g).tolist()
+        logprobs = [math.nan if k == X else -1.0 for k in kinds]
+        turns.append(
+            Turn(
+                "policy",
+                prompt,
+                completion,
+                kinds,
+                shift(["prompt"] * len(prompt) + kinds, route_of),
+                logprobs,
+            )
+        )
+    adv = (torch.randn(n, generator=g) * 1.5).tolist()
+    batch = collate(turns, adv, {"policy": route_of}, weights=[1.0, 0.5, 2.0, 1.0, 0.25][:n], pad_id=2)
+    with torch.no_grad():
+        logp = token_logprobs(model, batch, temperature=0.8).logp  # (B, T-1)
+    noise = torch.randn(logp.shape, generator=g) * 0.3
+    batch.old_logp[:, :-1] = torch.where(batch.loss_mask[:, :-1].bool(), logp + noise, 0.0)
+    return batch
+
+
+def settings(**alg) -> LossSettings:
+    return LossSettings(algorithm=AlgorithmConfig(**alg), temperature=0.8, horizon=16, chunk_size=7)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+CASES = [(torch.float64, m) for m in AGG_MODES] + [
+    (torch.float32, "token-mean"),
+    (torch.float32, "seq-mean-token-mean"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "mode"), CASES)
+def test_micro_batched_gradients_equal_full_batch(tokenizer, dtype, mode):
+    """With the mini-batch's AggNorm, micro-batches of 2 give the full batch's loss and gradients: exact
+    up to the final cast to the fp32 adapter weights in fp64; in fp32 the rows' different padded widths
+    change the forward's rounding, so the match is to ~1e-6."""
+    model, _, route_of = dart_model(tokenizer, dtype=dtype)
+    batch = hand_batch(model, route_of)
+    s = settings(loss_agg=mode, beta=0.1, entropy_coef=0.01, clip_c=3.0)
+    b = batch.input_ids.shape[0]
+    full_loss, full_sums, _ = accumulate_gradients(model, batch, batch.old_logp, s, micro_batch_size=b)
+    full = grads(model)
+    model.zero_grad(set_to_none=True)
+    micro_loss, micro_sums, _ = accumulate_gradients(model, batch, batch.old_logp, s, micro_batch_size=2)
+    micro = grads(model)
+    assert set(full) == set(micro) and len(full) > 0
+    assert all("lora_" in n for n in full), "only adapters get gradients"
+    assert {n.split(".")[-1] for n in full} >= {"reason", "tool"}, "both routed adapters learn"
+    exact = dtype == torch.float64
+    assert micro_loss == pytest.approx(full_loss, abs=1e-12 if exact else 1e-6)
+    for name in full:
+        tol = {"atol": 1e-7, "rtol": 1e-6} if exact else {"atol": 5e-6, "rtol": 1e-4}
+        torch.testing.assert_close(micro[name], full[name], **tol)
+    assert 0 < full_sums.result()["pg/clip_frac"] < 1  # the noise makes some ratios clip, not all
+    assert micro_sums.result()["entropy"] == pytest.approx(full_sums.result()["entropy"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kl", ["k1", "k3"])
+def test_kl_is_exactly_zero_when_adapters_are_zero(tokenizer, kl):
+    model, _, route_of = dart_model(tokenizer, randomize=False)  # fresh adapters: B = 0
+    batch = hand_batch(model, route_of)
+    from rolerl.algorithms import AggNorm
+
+    norm = AggNorm.of(batch.loss_mask, horizon=16)
+    _, metrics, _ = micro_batch_loss(model, batch, batch.old_logp, norm, settings(beta=0.5, kl=kl))
+    assert metrics["kl"] == 0.0 and metrics["loss/kl"] == 0.0
+    randomize_adapters(model, seed=1, std=0.1)
+    _, metrics, _ = micro_batch_loss(model, batch, batch.old_logp, norm, settings(beta=0.5, kl=kl))
+    assert metrics["kl"] != 0.0
+
+
+def test_recompute_gives_ratio_one_and_logs_mismatch_and_tis(tokenizer):
+    model, _, route_of = dart_model(tokenizer)
+    batch = hand_batch(model, route_of)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    s = settings(old_logp="recompute", tis_cap=2.0)
+    metrics = ppo_update(
+        model, params, opt, batch, s, ppo_epochs=1, mini_batches=1, micro_batch_size=2, grad_clip=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    # Old log-probs recomputed by the same forward: the first (only) pass has ratio 1 (up to the rounding of
+    # the shuffled micro-batches' different padded widths) and nothing clips.
+    assert metrics["pg/ratio_min"] == pytest.approx(1.0, abs=1e-5) and metrics["pg/clip_frac"] == 0.0
+    assert metrics["pg/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    # The batch's "rollout" log-probs are the recompute plus N(0, 0.3) noise: the mismatch shows it.
+    assert 0.1 < metrics["logp_mismatch/mean_abs"] < 0.5 and metrics["logp_mismatch/max_abs"] > 0.5
+    assert 0 < metrics["logp_mismatch/tis_weight_mean"] <= 2.0
+    assert (
+        metrics["optimizer_steps"] == 1.0
+        and math.isfinite(metrics["loss/total"])
+        and metrics["grad_norm"] > 0
+    )
+    assert any(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
+
+
+def test_rollout_old_logp_mismatch_from_the_first_pass_and_mini_batches(tokenizer):
+    model, _, route_of = dart_model(tokenizer)
+    batch = hand_batch(model, route_of)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    one = ppo_update(
+        model, params, opt, batch, settings(), ppo_epochs=1, mini_batches=1, micro_batch_size=3, grad_clip=0.0,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert 0.1 < one["logp_mismatch/mean_abs"] < 0.5 and "logp_mismatch/tis_weight_mean" not in one
+    two = ppo_update(
+        model, params, opt, batch, settings(), ppo_epochs=2, mini_batches=2, micro_batch_size=3, grad_clip=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert two["optimizer_steps"] == 4.0 and "logp_mismatch/max_abs" in two
+
+
+def test_lr_schedule_hand_values():
+    o = OptimConfig(lr=1.0, warmup_steps=2, schedule="cosine", min_lr_ratio=0.0)
+    got = [lr_factor(s, 6, o) for s in range(6)]
+    want = [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]
+    assert got == pytest.approx(want)
+    assert lr_factor(5, 6, OptimConfig(warmup_steps=0, schedule="constant")) == 1.0
+    floor = OptimConfig(warmup_steps=0, min_lr_ratio=0.1)
+    assert lr_factor(0, 4, floor) == 1.0 and lr_factor(10, 4, floor) == pytest.approx(0.1)
