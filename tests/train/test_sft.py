@@ -1,0 +1,131 @@
+"""Imitation warm-start: segment-wise tokenisation, loss only on policy kinds, routes = `shift`, and a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import rolerl
+from rolerl.algorithms import AggNorm, logprobs_from_logits
+from rolerl.config import load_config
+from rolerl.models.topology import Topology
+from rolerl.roles import (
+    POLICY_KINDS,
+    TOOL_OUTPUT,
+    Tags,
+    encode_exact,
+    format_tool_output,
+    shift,
+    splice_tokenize,
+)
+from rolerl.roles import split_segments as split
+from rolerl.train.checkpoint import RunDir
+from rolerl.train.sft import demonstration_turns, read_demonstrations, sft, sft_loss
+from rolerl.types import collate
+
+ANSWER_TEXT = "Let me compute.<code>print(6*7)</code><output>\n42\n</output>\nSo <answer>42</answer>"
+CONVERSATION = {
+    "role": "policy",
+    "messages": [
+        {"role": "system", "content": "Use Python."},
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": ANSWER_TEXT},
+    ],
+}
+
+
+def dart_route_of():
+    return {"policy": Topology.from_preset("dart", ["policy"]).route_of("policy", {"reason": 0, "tool": 1})}
+
+
+def test_demonstration_turn_tokens_kinds_and_routes(tokenizer):
+    route_of = dart_route_of()
+    (turn,) = demonstration_turns(tokenizer, CONVERSATION, route_of)
+    prompt = tokenizer.apply_chat_template(
+        CONVERSATION["messages"][:2], add_generation_prompt=True, return_dict=True
+    )
+    assert turn.prompt_ids == list(prompt["input_ids"])
+    ids, kinds = splice_tokenize(tokenizer, split(ANSWER_TEXT, Tags()))
+    assert turn.completion_ids == [*ids, tokenizer.eos_token_id] and turn.kinds == [*kinds, "reasoning"]
+    # The tool output is exactly the engine's forced ids for that result.
+    forced = [i for i, k in zip(turn.completion_ids, turn.kinds, strict=True) if k == TOOL_OUTPUT]
+    assert forced == encode_exact(tokenizer, format_tool_output(Tags(), "42"))
+    assert {"reasoning", "tool_call", "tool_output", "answer"} == set(turn.kinds)
+    # Routes are `shift` of the dart table: tool-call tokens are computed by (predicted at) the tool adapter.
+    assert turn.routes == shift(turn.all_kinds, route_of["policy"])
+    call = [p for p, k in enumerate(turn.all_kinds) if k == "tool_call"]
+    assert [turn.routes[p - 1] for p in call] == [1] * len(call)
+    assert set(turn.routes) == {0, 1}
+
+
+def test_sft_loss_is_nll_on_policy_kinds_only(tokenizer):
+    model, tok = rolerl.tiny_model("llama", seed=0, tokenizer=tokenizer)
+    rolerl.add_adapters(model, ["reason", "tool"], rank=4)
+    route_of = dart_route_of()
+    (turn,) = demonstration_turns(tok, CONVERSATION, route_of)
+    short = dict(
+        CONVERSATION, messages=[*CONVERSATION["messages"][:2], {"role": "assistant", "content": "42"}]
+    )
+    turns = [turn, *demonstration_turns(tok, short, route_of)]
+    batch = collate(turns, [0.0, 0.0], route_of, pad_id=2)
+    # Column p carries loss iff token p+1 is a policy kind (never prompt, never tool output).
+    for row, t in enumerate(turns):
+        kinds = t.all_kinds
+        want = [float(kinds[p + 1] in POLICY_KINDS) for p in range(len(kinds) - 1)] + [0.0]
+        assert batch.loss_mask[row, : len(kinds)].tolist() == want
+    loss = sft_loss(model, batch, AggNorm.of(batch.loss_mask), chunk_size=5, bf16=False)
+    logits = model(batch.input_ids, attention_mask=batch.attention_mask, routes=batch.routes).logits
+    logp = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])
+    mask = batch.loss_mask[:, :-1].bool()
+    assert float(loss.detach()) == pytest.approx(float(-logp[mask].mean().detach()), rel=1e-5)
+    loss.backward()
+    names = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.grad is not None}
+    assert names == {"reason", "tool"}  # both adapters learn, the base does not
+
+
+def test_read_demonstrations_errors(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        json.dumps({"messages": CONVERSATION["messages"]}) + "\n\n" + json.dumps({"text": "x"}) + "\n"
+    )
+    with pytest.raises(ValueError, match=r"d.jsonl:3: expected"):
+        read_demonstrations(path)
+    path.write_text(json.dumps({"messages": CONVERSATION["messages"]}) + "\n")
+    assert read_demonstrations(path)[0]["role"] == "policy"
+    with pytest.raises(ValueError, match="demonstration role 'judge' is not in the topology"):
+        demonstration_turns(None, dict(CONVERSATION, role="judge"), dart_route_of())
+
+
+def test_sft_run_writes_peft_adapters_that_moved(tmp_path):
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps(CONVERSATION) + "\n" for _ in range(3)))
+    cfg = load_config(
+        None,
+        [
+            "model.spec=tiny:llama",
+            "model.device=cpu",
+            "adapters.preset=dart",
+            "adapters.rank=4",
+            f"sft.data={data}",
+            "sft.epochs=2",
+            "sft.batch_size=2",
+            "sft.lr=1e-2",
+            "train.micro_batch_size=1",
+            f"run.dir={tmp_path / 'sft'}",
+            "run.tensorboard=false",
+        ],
+    )
+    out = sft(cfg)
+    rows = RunDir(tmp_path / "sft", tensorboard=False).read_metrics()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["loss/sft"] > 0 for r in rows)
+    assert rows[-1]["loss/sft"] < rows[0]["loss/sft"]  # the same demonstration four times: it learns it
+    for name in ("reason", "tool"):
+        assert (out / name / "adapter_config.json").is_file() and (
+            out / name / "adapter_model.safetensors"
+        ).is_file()
+    model, _ = rolerl.tiny_model("llama", seed=0)
+    rolerl.load_adapter(model, "tool", out / "tool")
+    b = [p for n, p in model.named_parameters() if n.endswith("lora_B.tool")]
+    assert any(bool(torch.any(x != 0)) for x in b)  # B started at zero
