@@ -89,3 +89,12 @@ def test_reference_documents_every_field():
             line = next(x for x in ref.splitlines() if x.startswith(f"| `{f.name}` |"))
             assert line.rstrip(" |").split("|")[-1].strip(), f"{section.name}.{f.name} has no comment"
     assert "(one of `grpo`, `dr_grpo`, `rloo`)" in ref
+
+
+def test_training_docs_carry_the_current_reference():
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "TRAINING.md"
+    assert config_reference() in page.read_text(), (
+        "regenerate docs/TRAINING.md's reference from config_reference()"
+    )

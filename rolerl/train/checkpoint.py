@@ -33,6 +33,7 @@ from rolerl.models.adapters_io import load_adapter, save_adapter
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
+_WARNED = False
 
 
 class RunDir:
@@ -78,8 +79,13 @@ class RunDir:
 def _tensorboard_writer(path: Path, resume_step: int | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional (DESIGN style 10)
-        log.warning("tensorboard is not installed: skipping TensorBoard logs (metrics.jsonl has everything)")
+    except ImportError:  # tensorboard is optional (DESIGN style 10): say so once per process
+        global _WARNED
+        if not _WARNED:
+            log.warning(
+                "tensorboard is not installed: skipping TensorBoard logs (metrics.jsonl has everything)"
+            )
+            _WARNED = True
         return None
     # purge_step drops events a crashed run wrote after the checkpoint we resume from
     return SummaryWriter(str(path), purge_step=None if resume_step is None else resume_step + 1)

@@ -229,6 +229,9 @@ def episode_metrics(episodes: Sequence[Episode], policy: Policy) -> dict[str, fl
     for role in policy.route_of:
         mine = [t for t in turns if t.role == role]
         out[f"role/{role}/turns"] = float(len(mine))
+        rewards_of = [e.role_rewards.get(role, e.reward) for e in episodes for t in e.turns if t.role == role]
+        if rewards_of:
+            out[f"role/{role}/reward_mean"] = sum(rewards_of) / len(rewards_of)
         out[f"role/{role}/tokens"] = float(sum(k != "tool_output" for t in mine for k in t.kinds))
     return out
 

@@ -132,6 +132,10 @@ def test_cli_train_and_config_errors(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["step"] == 1 and out["run_dir"] == str(run_dir)
     assert (run_dir / "checkpoints" / "step_1" / "adapters" / "policy").is_dir()
+    # --resume reads RUN_DIR/config.yaml; --set extends the run by one step
+    assert main(["train", "--resume", str(run_dir), "--set", "train.steps=2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 2
+    assert [r["step"] for r in RunDir(run_dir, tensorboard=False).read_metrics()] == [1, 2]
     assert main(["train", "configs/smoke.yaml", "--set", "optim.lr=fast"]) == 2
     assert "optim.lr='fast'; expected a number" in capsys.readouterr().err
     assert main(["train"]) == 2

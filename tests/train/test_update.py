@@ -165,3 +165,16 @@ def test_lr_schedule_hand_values():
     assert lr_factor(5, 6, OptimConfig(warmup_steps=0, schedule="constant")) == 1.0
     floor = OptimConfig(warmup_steps=0, min_lr_ratio=0.1)
     assert lr_factor(0, 4, floor) == 1.0 and lr_factor(10, 4, floor) == pytest.approx(0.1)
+
+
+def test_bf16_autocast_loss_and_gradients_are_finite_and_close(tokenizer):
+    model, _, route_of = dart_model(tokenizer)
+    batch = hand_batch(model, route_of)
+    full, _, _ = accumulate_gradients(model, batch, batch.old_logp, settings(beta=0.1), micro_batch_size=5)
+    model.zero_grad(set_to_none=True)
+    s = settings(beta=0.1)
+    s.bf16 = True
+    half, _, _ = accumulate_gradients(model, batch, batch.old_logp, s, micro_batch_size=5)
+    assert math.isfinite(half) and half == pytest.approx(full, abs=0.05)
+    g = grads(model)
+    assert g and all(bool(torch.isfinite(v).all()) and v.dtype == torch.float32 for v in g.values())
