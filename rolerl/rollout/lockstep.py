@@ -6,10 +6,13 @@ is batch-invariant only up to float rounding, and a near tie in a peaked distrib
 (tests/rollout/test_engine.py reports such ties). Two same-seed runs, or a run and its resumption, could
 then sample differently. Here the engine is stepped from the event loop, and only once every episode
 started with `episode()` is blocked in `generate` (or done), so batch composition is a function of the
-requests alone and a resumed run samples exactly what the uninterrupted one did.
+requests alone and a resumed run samples exactly what the uninterrupted one did. Requests are handed
+to the engine in (episode, call) order, not arrival order, so even workflows that await other things
+(sleeps, their own I/O) between model calls batch identically every time.
 
-Exact for workflows whose only awaits are model calls (fan-out with `asyncio.gather` included). Engine
-tools finish on their own threads, so a tool-using rollout's splice timing is still wall-clock dependent.
+Engine tools finish on their own threads, so a tool-using rollout's splice timing is still wall-clock
+dependent. A workflow that fans out and resumes on the *first* finished call (`as_completed`) lets the
+engine step before it submits again; with `gather` (wait for all) batching stays deterministic.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class LockstepBackend:
         self.engine = engine
         self._ids = itertools.count()
         self._outstanding: dict[int, int] = {}  # live episode -> requests submitted and not yet finished
+        self._calls: dict[int, int] = {}  # live episode -> model calls made so far
+        self._queue: list[tuple[int, int, GenerationRequest, asyncio.Future]] = []  # not yet submitted
         self._owner: dict[int, tuple[int, asyncio.Future]] = {}  # engine handle -> (episode, future)
         self._changed: asyncio.Event | None = None
         self._pump: asyncio.Task | None = None
@@ -41,23 +46,24 @@ class LockstepBackend:
     async def episode(self, coro: Awaitable[T]) -> T:
         """Run one episode's coroutine; the engine waits for it whenever it is not waiting on the engine."""
         ep = next(self._ids)
-        self._outstanding[ep] = 0
+        self._outstanding[ep], self._calls[ep] = 0, 0
         token = _EPISODE.set(ep)
         self._ensure_pump()
         try:
             return await coro
         finally:
             _EPISODE.reset(token)
-            del self._outstanding[ep]
+            del self._outstanding[ep], self._calls[ep]
             self._changed.set()
 
     async def generate(self, request: GenerationRequest) -> Turn:
         ep = _EPISODE.get()
         if ep is None or ep not in self._outstanding:
             raise RuntimeError("LockstepBackend.generate must be called inside backend.episode(...)")
-        handle = self.engine.submit(request)  # never during a step: every episode is blocked then
         future = asyncio.get_running_loop().create_future()
-        self._owner[handle] = (ep, future)
+        # Queued, not submitted: the pump submits in (episode, call) order, whatever order they arrived in
+        self._queue.append((ep, self._calls[ep], request, future))
+        self._calls[ep] += 1
         self._outstanding[ep] += 1
         self._ensure_pump()
         self._changed.set()
@@ -83,6 +89,7 @@ class LockstepBackend:
             while not self._all_waiting():
                 self._changed.clear()
                 await self._changed.wait()
+            self._submit_queued()
             if not self.engine.has_work:
                 self._changed.clear()
                 await self._changed.wait()
@@ -91,15 +98,31 @@ class LockstepBackend:
                 finished = self.engine.step()
             except Exception as e:  # noqa: BLE001 - an engine failure fails every waiting request, loudly
                 self.engine.reset()
-                for _, future in self._owner.values():
-                    if not future.done():
-                        future.set_exception(e)
+                for ep, future in self._owner.values():
+                    self._resolve(ep, future, None, e)
                 self._owner.clear()
-                for ep in self._outstanding:
-                    self._outstanding[ep] = 0
                 continue
             for handle, turn in finished:
-                ep, future = self._owner.pop(handle)
-                self._outstanding[ep] -= 1  # now, not when the coroutine resumes: the next step waits for it
-                future.set_result(turn)
+                # resolved now, not when the coroutine resumes: the next step waits for it to submit or end
+                self._resolve(*self._owner.pop(handle), turn, None)
             await asyncio.sleep(0)  # let resumed coroutines run before checking again
+
+    def _submit_queued(self) -> None:
+        for ep, _, request, future in sorted(self._queue, key=lambda q: (q[0], q[1])):
+            try:
+                self._owner[self.engine.submit(request)] = (ep, future)
+            except Exception as e:  # noqa: BLE001 - a bad request fails its own caller only
+                self._resolve(ep, future, None, e)
+        self._queue.clear()
+
+    def _resolve(
+        self, ep: int, future: asyncio.Future, turn: Turn | None, error: BaseException | None
+    ) -> None:
+        if ep in self._outstanding:
+            self._outstanding[ep] -= 1
+        if future.done():  # the episode was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(turn)
