@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rolerl.algorithms import ADVANTAGES, zero_variance_mask
@@ -59,14 +61,14 @@ def train(
         optimizer, lambda s: lr_factor(s, cfg.train.steps, cfg.optim)
     )
     start = 0
+    seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
     if resume:
         clean_partial(cfg.run.dir)
         found = checkpoints(cfg.run.dir)
         if not found:
             raise FileNotFoundError(f"--resume {cfg.run.dir!r}: no checkpoints/step_N in that run directory")
-        start = load_checkpoint(found[-1][1], policy.model, policy.adapter_names, optimizer, scheduler)[
-            "step"
-        ]
+        state = load_checkpoint(found[-1][1], policy.model, policy.adapter_names, optimizer, scheduler)
+        start = state["step"]  # RNG states restored too
     run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard, resume_step=start if resume else None)
     run.write_config(cfg)
     engine = _engine(cfg, policy)
@@ -234,6 +236,12 @@ def episode_metrics(episodes: Sequence[Episode], policy: Policy) -> dict[str, fl
             out[f"role/{role}/reward_mean"] = sum(rewards_of) / len(rewards_of)
         out[f"role/{role}/tokens"] = float(sum(k != "tool_output" for t in mine for k in t.kinds))
     return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def _engine(cfg: Config, policy: Policy) -> Engine:

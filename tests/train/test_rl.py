@@ -91,6 +91,15 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
     assert not (tmp_path / "cut" / "checkpoints" / ".step_2-partial").exists()
 
 
+def test_threaded_backend_runs_a_step(tmp_path):
+    cfg = tiny_config(
+        tmp_path, "train.steps=1", "rollout.backend=threaded", "algorithm.filter_zero_variance=true"
+    )
+    train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()))
+    (row,) = RunDir(tmp_path, tensorboard=False).read_metrics()
+    assert row["episodes"] == 8.0 and 0 <= row["filtered/zero_variance_frac"] <= 1
+
+
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoints/step_N"):
         train(tiny_config(tmp_path), task=EchoTask(), workflow=SingleTurn(EchoTask()), resume=True)
