@@ -71,17 +71,25 @@ class Sums:
         return out | self.maxima | self.minima
 
 
+@dataclass
+class Aligned:
+    """Per-token tensors `(B, T)` in TrainBatch alignment (column p is about token p + 1) that travel with
+    the batch's rows through mini- and micro-batching."""
+
+    old_logp: Tensor  # PPO's old log-probs (the rollout's, or recomputed)
+    is_weights: Tensor | None = None  # truncated IS weights, when TIS is on
+
+    def rows(self, rows: Tensor | list[int], width: int) -> Aligned:
+        w = None if self.is_weights is None else self.is_weights[rows, :width]
+        return Aligned(self.old_logp[rows, :width], w)
+
+
 def micro_batch_loss(
-    model: nn.Module,
-    mb: TrainBatch,
-    old_logp: Tensor,
-    norm: AggNorm,
-    s: LossSettings,
-    is_weights: Tensor | None = None,
+    model: nn.Module, mb: TrainBatch, aligned: Aligned, norm: AggNorm, s: LossSettings
 ) -> tuple[Tensor, dict[str, float], Tensor]:
-    """`(loss, metrics, logp)` of one micro-batch. `old_logp` is `(b, T)` in TrainBatch alignment; `loss`
-    is normalised by the mini-batch's `norm`, so micro-batch losses (and gradients) sum to the full one.
-    `logp` `(b, T-1)` is detached (for the rollout/trainer mismatch)."""
+    """`(loss, metrics, logp)` of one micro-batch. `loss` is normalised by the mini-batch's `norm`, so
+    micro-batch losses (and gradients) sum to the full one. `logp` `(b, T-1)` is detached (for the
+    rollout/trainer mismatch)."""
     alg = s.algorithm
     mask = mb.loss_mask[:, :-1]  # (b, T-1)
     with autocast(mb.input_ids.device, s.bf16):
@@ -90,17 +98,19 @@ def micro_batch_loss(
     adv = mb.advantages[:, :-1]  # (b, T-1)
     pg = ppo_clip_loss(
         logp,
-        old_logp[:, :-1],
+        aligned.old_logp[:, :-1],
         adv,
         mask,
         clip_low=alg.clip_low,
         clip_high=alg.clip_high,
         clip_c=alg.clip_c,
-        is_weights=None if is_weights is None else is_weights[:, :-1],
+        is_weights=None if aligned.is_weights is None else aligned.is_weights[:, :-1],
     )
     per_token = pg.per_token  # (b, T-1)
     metrics = pg.stats.metrics()
     if alg.beta > 0:
+        # The reference on this very micro-batch (same shapes, same rounding): with zero adapters the KL is
+        # exactly 0, which a reference computed once per step over other row groupings would not give.
         with torch.no_grad(), autocast(mb.input_ids.device, s.bf16):
             ref = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, routes=-1)
         kl = KL_ESTIMATORS[alg.kl](logp, ref.logp)  # (b, T-1)
@@ -122,12 +132,7 @@ def _part(per_token: Tensor, mb: TrainBatch, mask: Tensor, alg: AlgorithmConfig,
 
 
 def accumulate_gradients(
-    model: nn.Module,
-    batch: TrainBatch,
-    old_logp: Tensor,
-    s: LossSettings,
-    micro_batch_size: int,
-    is_weights: Tensor | None = None,
+    model: nn.Module, batch: TrainBatch, aligned: Aligned, s: LossSettings, micro_batch_size: int
 ) -> tuple[float, Sums, Tensor]:
     """Backward over `batch` in micro-batches, with the normalisers of the whole `batch`.
 
@@ -142,10 +147,7 @@ def accumulate_gradients(
         rows = list(range(start, min(start + micro_batch_size, b)))
         mb = select_rows(batch, rows)
         width = mb.input_ids.shape[1]
-        extra = [t[rows, :width] for t in (old_logp, *(() if is_weights is None else (is_weights,)))]
-        loss, metrics, logp = micro_batch_loss(
-            model, mb, extra[0], norm, s, extra[1] if len(extra) > 1 else None
-        )
+        loss, metrics, logp = micro_batch_loss(model, mb, aligned.rows(rows, width), norm, s)
         loss.backward()
         total += float(loss.detach())
         sums.add(float(mb.loss_mask.sum()), metrics)
@@ -192,8 +194,10 @@ def ppo_update(
     trainer_logp = recompute_logprobs(model, batch, s, micro_batch_size) if recompute else None
     if trainer_logp is not None:
         metrics |= _mismatch(trainer_logp, batch.old_logp, mask, alg.tis_cap)
-    old = trainer_logp if alg.old_logp == "recompute" else batch.old_logp
-    is_w = tis_weights(trainer_logp, batch.old_logp, cap=alg.tis_cap) if alg.tis_cap is not None else None
+    aligned = Aligned(
+        old_logp=trainer_logp if alg.old_logp == "recompute" else batch.old_logp,
+        is_weights=tis_weights(trainer_logp, batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
+    )
     b = batch.input_ids.shape[0]
     sums, losses, grad_norms = Sums(), [], []
     for epoch in range(ppo_epochs):
@@ -205,12 +209,7 @@ def ppo_update(
             width = sub.input_ids.shape[1]
             optimizer.zero_grad(set_to_none=True)
             loss, mb_sums, logp = accumulate_gradients(
-                model,
-                sub,
-                old[rows, :width],
-                s,
-                micro_batch_size,
-                None if is_w is None else is_w[rows, :width],
+                model, sub, aligned.rows(rows, width), s, micro_batch_size
             )
             if not recompute and epoch == 0:
                 metrics |= _mismatch(logp, sub.old_logp, sub.loss_mask, None)

@@ -13,7 +13,14 @@ from rolerl.config import AlgorithmConfig, OptimConfig
 from rolerl.models.topology import Topology
 from rolerl.roles import ANSWER, REASONING, TOOL_CALL, TOOL_OUTPUT, shift
 from rolerl.train.policy import token_logprobs
-from rolerl.train.update import LossSettings, accumulate_gradients, lr_factor, micro_batch_loss, ppo_update
+from rolerl.train.update import (
+    Aligned,
+    LossSettings,
+    accumulate_gradients,
+    lr_factor,
+    micro_batch_loss,
+    ppo_update,
+)
 from rolerl.types import Turn, collate
 from tests.models.test_lora import randomize_adapters
 
@@ -83,10 +90,14 @@ def test_micro_batched_gradients_equal_full_batch(tokenizer, dtype, mode):
     batch = hand_batch(model, route_of)
     s = settings(loss_agg=mode, beta=0.1, entropy_coef=0.01, clip_c=3.0)
     b = batch.input_ids.shape[0]
-    full_loss, full_sums, _ = accumulate_gradients(model, batch, batch.old_logp, s, micro_batch_size=b)
+    full_loss, full_sums, _ = accumulate_gradients(
+        model, batch, Aligned(batch.old_logp), s, micro_batch_size=b
+    )
     full = grads(model)
     model.zero_grad(set_to_none=True)
-    micro_loss, micro_sums, _ = accumulate_gradients(model, batch, batch.old_logp, s, micro_batch_size=2)
+    micro_loss, micro_sums, _ = accumulate_gradients(
+        model, batch, Aligned(batch.old_logp), s, micro_batch_size=2
+    )
     micro = grads(model)
     assert set(full) == set(micro) and len(full) > 0
     assert all("lora_" in n for n in full), "only adapters get gradients"
@@ -107,10 +118,17 @@ def test_kl_is_exactly_zero_when_adapters_are_zero(tokenizer, kl):
     from rolerl.algorithms import AggNorm
 
     norm = AggNorm.of(batch.loss_mask, horizon=16)
-    _, metrics, _ = micro_batch_loss(model, batch, batch.old_logp, norm, settings(beta=0.5, kl=kl))
+    _, metrics, _ = micro_batch_loss(model, batch, Aligned(batch.old_logp), norm, settings(beta=0.5, kl=kl))
     assert metrics["kl"] == 0.0 and metrics["loss/kl"] == 0.0
+    # Through the whole update too (one optimizer step: its forward sees the zero adapters).
+    params = [p for p in model.parameters() if p.requires_grad]
+    update = ppo_update(
+        model, params, torch.optim.AdamW(params, lr=1e-3), batch, settings(beta=0.5, kl=kl),
+        ppo_epochs=1, mini_batches=1, micro_batch_size=2, grad_clip=1.0, generator=torch.Generator(),
+    )  # fmt: skip
+    assert update["kl"] == 0.0 and update["loss/kl"] == 0.0
     randomize_adapters(model, seed=1, std=0.1)
-    _, metrics, _ = micro_batch_loss(model, batch, batch.old_logp, norm, settings(beta=0.5, kl=kl))
+    _, metrics, _ = micro_batch_loss(model, batch, Aligned(batch.old_logp), norm, settings(beta=0.5, kl=kl))
     assert metrics["kl"] != 0.0
 
 
@@ -170,11 +188,13 @@ def test_lr_schedule_hand_values():
 def test_bf16_autocast_loss_and_gradients_are_finite_and_close(tokenizer):
     model, _, route_of = dart_model(tokenizer)
     batch = hand_batch(model, route_of)
-    full, _, _ = accumulate_gradients(model, batch, batch.old_logp, settings(beta=0.1), micro_batch_size=5)
+    full, _, _ = accumulate_gradients(
+        model, batch, Aligned(batch.old_logp), settings(beta=0.1), micro_batch_size=5
+    )
     model.zero_grad(set_to_none=True)
     s = settings(beta=0.1)
     s.bf16 = True
-    half, _, _ = accumulate_gradients(model, batch, batch.old_logp, s, micro_batch_size=5)
+    half, _, _ = accumulate_gradients(model, batch, Aligned(batch.old_logp), s, micro_batch_size=5)
     assert math.isfinite(half) and half == pytest.approx(full, abs=0.05)
     g = grads(model)
     assert g and all(bool(torch.isfinite(v).all()) and v.dtype == torch.float32 for v in g.values())
