@@ -181,8 +181,8 @@ async def rollout(
 
     def context(i: int, j: int) -> Context:
         seed = derive_seed(cfg.run.seed, step, i, j)
-        return Context(backend, policy.tokenizer, policy.route_of, sampling, seed, tool=tool,
-                       max_tool_calls=cfg.rollout.max_tool_calls)  # fmt: skip
+        route_of, tokenizer, calls = policy.route_of, policy.tokenizer, cfg.rollout.max_tool_calls
+        return Context(backend, tokenizer, route_of, sampling, seed, tool=tool, max_tool_calls=calls)
 
     runs = [workflow.run(context(i, j), ex) for i, ex in enumerate(examples) for j in range(cfg.rollout.n)]
     if isinstance(backend, LockstepBackend):

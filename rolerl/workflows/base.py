@@ -58,8 +58,15 @@ class Context:
         """One model call as `role`: chat messages (template applied, generation prompt added) or token ids."""
         if role not in self.route_of:
             raise ValueError(f"role {role!r} is not in this run's topology; roles: {sorted(self.route_of)}")
+        if sampling.get("temperature", self.sampling.temperature) != self.sampling.temperature:
+            raise ValueError(
+                f"ctx.generate(temperature={sampling['temperature']}): the trainer computes log-probs at the "
+                f"run's temperature ({self.sampling.temperature}), so a call sampled at another one would "
+                "get wrong PPO ratios; change rollout.temperature instead"
+            )
         ids = self.prompt_ids(messages_or_ids)
-        params = dataclasses.replace(self.sampling, seed=derive_seed(self.seed, len(self.turns)), **sampling)
+        seed = derive_seed(self.seed, len(self.turns))  # call k of this episode
+        params = dataclasses.replace(self.sampling, **{"seed": seed, **sampling})
         request = GenerationRequest(
             ids,
             params,

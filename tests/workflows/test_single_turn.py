@@ -93,6 +93,9 @@ def test_context_generate_applies_template_routes_seeds_and_records(tokenizer):
     try:
         ctx = Context(backend, tok, route_of, sampling, seed=123)
         episode = asyncio.run(workflow.run(ctx, example))
+        other = Context(backend, tok, route_of, sampling, seed=1)
+        with pytest.raises(ValueError, match=r"trainer computes log-probs at the run's temperature \(1.0\)"):
+            asyncio.run(other.generate("policy", [1, 2], temperature=0.5))
         with pytest.raises(
             ValueError, match=r"role 'judge' is not in this run's topology; roles: \['policy'\]"
         ):
