@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -89,6 +90,43 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
     assert got == want  # bit-identical metrics (losses, rewards, grad norms), not just close
     assert [s for s, _ in checkpoints(cut_cfg.run.dir)] == [2, 3]  # keep_last=2
     assert not (tmp_path / "cut" / "checkpoints" / ".step_2-partial").exists()
+
+
+class SolverJudge:
+    """Two roles: a solver answers, two judges read the answer in parallel; the judges' reward is the
+    episode's, the solver's is its own (a per-role reward)."""
+
+    roles = ("solver", "judge")
+
+    def __init__(self, task) -> None:
+        self.task = task
+
+    async def run(self, ctx, example):
+        answer = await ctx.generate("solver", self.task.prompt(example))
+        text = ctx.text(answer)
+        review = [{"role": "user", "content": f"Is this right? {text}"}]
+        await asyncio.gather(ctx.generate("judge", review), ctx.generate("judge", review, max_new_tokens=4))
+        episode = ctx.episode(example, self.task.reward(example, text))
+        episode.role_rewards["solver"] = float(len(text) % 3 == 0)
+        return episode
+
+
+def test_isolated_two_role_workflow_trains_both_adapters(tmp_path):
+    cfg = tiny_config(
+        tmp_path, "train.steps=1", "adapters.preset=isolated", "algorithm.group_key=role_instance"
+    )
+    workflow = SolverJudge(EchoTask())
+    policy = build_policy(cfg, workflow.roles)
+    assert policy.adapter_names == ["solver", "judge"]
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_B" in n}
+    train(cfg, task=workflow.task, workflow=workflow, policy=policy)
+    (row,) = RunDir(tmp_path, tensorboard=False).read_metrics()
+    assert row["role/solver/turns"] == 8.0 and row["role/judge/turns"] == 16.0
+    assert 0 < row["role/judge/tokens"] <= 8 * (12 + 4)  # the second judge's call samples at most 4 tokens
+    after = dict(policy.model.named_parameters())
+    for role in ("solver", "judge"):
+        moved = [not torch.equal(after[n], w) for n, w in before.items() if n.endswith(f"lora_B.{role}")]
+        assert any(moved), f"the {role} adapter learns"
 
 
 def test_threaded_backend_runs_a_step(tmp_path):
