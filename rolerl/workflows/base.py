@@ -52,7 +52,7 @@ class Context:
     tool: str | None = None  # the engine tool a closed tool tag calls; None = tags are plain text
     tags: Tags = field(default_factory=Tags)
     max_tool_calls: int = 4
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[Turn | None] = field(default_factory=list)  # None: a call still in flight
 
     async def generate(self, role: str, messages_or_ids: Messages | Sequence[int], **sampling: Any) -> Turn:
         """One model call as `role`: chat messages (template applied, generation prompt added) or token ids."""
@@ -97,4 +97,5 @@ class Context:
     def episode(self, example: Example, reward: float, **metadata: Any) -> Episode:
         """The finished episode: every recorded turn, the outcome reward, and `correct` = reward >= 1."""
         metadata.setdefault("correct", reward >= 1.0)
-        return Episode(task_id=example.id, turns=list(self.turns), reward=float(reward), metadata=metadata)
+        turns = [t for t in self.turns if t is not None]  # a call never awaited is not part of the episode
+        return Episode(task_id=example.id, turns=turns, reward=float(reward), metadata=metadata)
