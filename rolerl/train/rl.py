@@ -60,6 +60,12 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.train.steps, cfg.optim)
     )
+    run_dir = Path(cfg.run.dir)
+    if not resume and ((run_dir / "metrics.jsonl").exists() or checkpoints(run_dir)):
+        raise ValueError(
+            f"run.dir={str(run_dir)!r} already holds a run; continue it with --resume {run_dir} "
+            "or choose another run.dir"
+        )
     start = 0
     seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
     if resume:

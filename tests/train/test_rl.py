@@ -186,3 +186,5 @@ def test_cli_train_and_config_errors(tmp_path, capsys):
     assert main(["train", "configs/smoke.yaml", "--set", "optim.lr=fast"]) == 2
     assert "optim.lr='fast'; expected a number" in capsys.readouterr().err
     assert main(["train"]) == 2
+    assert main(["train", "configs/smoke.yaml", "--set", *TINY, f"run.dir={run_dir}"]) == 2
+    assert "already holds a run; continue it with --resume" in capsys.readouterr().err
