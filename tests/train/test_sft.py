@@ -129,3 +129,19 @@ def test_sft_run_writes_peft_adapters_that_moved(tmp_path):
     rolerl.load_adapter(model, "tool", out / "tool")
     b = [p for n, p in model.named_parameters() if n.endswith("lora_B.tool")]
     assert any(bool(torch.any(x != 0)) for x in b)  # B started at zero
+
+
+def test_cli_sft(tmp_path, capsys):
+    from rolerl.cli import main
+
+    data = tmp_path / "demos.jsonl"
+    data.write_text(json.dumps(CONVERSATION) + "\n")
+    args = ["model.spec=tiny:llama", "model.device=cpu", "adapters.rank=4", f"run.dir={tmp_path / 'run'}"]
+    assert (
+        main(["sft", "configs/smoke.yaml", "--data", str(data), "--set", *args, "run.tensorboard=false"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["adapters"] == str(tmp_path / "run" / "adapters")
+    assert (tmp_path / "run" / "adapters" / "policy" / "adapter_model.safetensors").is_file()
+    assert main(["sft", "configs/smoke.yaml", "--set", *args]) == 2
+    assert "sft.data is empty" in capsys.readouterr().err
