@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from rolerl.train.rl import train
 from rolerl.workflows import SingleTurn
 from tests.workflows.test_single_turn import EchoTask
 
+SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 TINY = [
     "model.spec=tiny:llama",
     "model.device=cpu",
@@ -174,7 +176,7 @@ def test_checkpoints_keep_last_k_and_are_atomic(tmp_path, monkeypatch):
 
 def test_cli_train_and_config_errors(tmp_path, capsys):
     run_dir = tmp_path / "cli"
-    code = main(["train", "configs/smoke.yaml", "--set", *TINY, "train.steps=1", f"run.dir={run_dir}"])
+    code = main(["train", SMOKE, "--set", *TINY, "train.steps=1", f"run.dir={run_dir}"])
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["step"] == 1 and out["run_dir"] == str(run_dir)
@@ -183,8 +185,8 @@ def test_cli_train_and_config_errors(tmp_path, capsys):
     assert main(["train", "--resume", str(run_dir), "--set", "train.steps=2"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 2
     assert [r["step"] for r in RunDir(run_dir, tensorboard=False).read_metrics()] == [1, 2]
-    assert main(["train", "configs/smoke.yaml", "--set", "optim.lr=fast"]) == 2
+    assert main(["train", SMOKE, "--set", "optim.lr=fast"]) == 2
     assert "optim.lr='fast'; expected a number" in capsys.readouterr().err
     assert main(["train"]) == 2
-    assert main(["train", "configs/smoke.yaml", "--set", *TINY, f"run.dir={run_dir}"]) == 2
+    assert main(["train", SMOKE, "--set", *TINY, f"run.dir={run_dir}"]) == 2
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err

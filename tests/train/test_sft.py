@@ -133,15 +133,14 @@ def test_sft_run_writes_peft_adapters_that_moved(tmp_path):
 
 def test_cli_sft(tmp_path, capsys):
     from rolerl.cli import main
+    from tests.train.test_rl import SMOKE
 
     data = tmp_path / "demos.jsonl"
     data.write_text(json.dumps(CONVERSATION) + "\n")
     args = ["model.spec=tiny:llama", "model.device=cpu", "adapters.rank=4", f"run.dir={tmp_path / 'run'}"]
-    assert (
-        main(["sft", "configs/smoke.yaml", "--data", str(data), "--set", *args, "run.tensorboard=false"]) == 0
-    )
+    assert main(["sft", SMOKE, "--data", str(data), "--set", *args, "run.tensorboard=false"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["adapters"] == str(tmp_path / "run" / "adapters")
     assert (tmp_path / "run" / "adapters" / "policy" / "adapter_model.safetensors").is_file()
-    assert main(["sft", "configs/smoke.yaml", "--set", *args]) == 2
+    assert main(["sft", SMOKE, "--set", *args]) == 2
     assert "sft.data is empty" in capsys.readouterr().err
