@@ -100,6 +100,8 @@ def train(
                 progress(step, metrics)
     finally:
         backend.close()
+        for tool in engine.tools.values():  # e.g. the sandbox's worker processes
+            getattr(tool, "close", lambda: None)()
         run.close()
     return Path(cfg.run.dir)
 
