@@ -37,8 +37,8 @@ class LossSettings:
 
 @dataclass
 class Sums:
-    """Metrics over micro-batches: loss parts (already globally normalised) add up, `*_max`/`*_min` take
-    the extreme, everything else is a mean weighted by loss tokens."""
+    """Metrics over micro-batches: loss parts (`loss/*`, `role/<r>/loss`; already globally normalised) add
+    up, `*_max`/`*_min` take the extreme, everything else is a mean weighted by loss tokens."""
 
     tokens: float = 0.0
     weighted: dict[str, float] = field(default_factory=dict)
@@ -49,7 +49,7 @@ class Sums:
     def add(self, n: float, metrics: dict[str, float]) -> None:
         self.tokens += n
         for k, v in metrics.items():
-            if k.startswith("loss/"):
+            if k.startswith("loss/") or k.endswith("/loss"):
                 self.totals[k] = self.totals.get(k, 0.0) + v
             elif k.endswith("_max"):
                 self.maxima[k] = max(self.maxima.get(k, float("-inf")), v)
@@ -123,6 +123,13 @@ def micro_batch_loss(
     metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
     metrics["loss/pg"] = _part(pg.per_token, mb, mask, alg, norm)
     weighted = per_token * mb.weights[:, None].to(per_token.dtype)  # (b, T-1) per-sequence weights
+    # Each role's share of the loss: aggregation is linear in the loss matrix, so the shares add up to it.
+    for r, name in enumerate(mb.role_names):
+        rows = (mb.role_index[:, 0] == r)[:, None]  # (b, 1)
+        if bool(rows.any()):
+            metrics[f"role/{name}/loss"] = float(
+                aggregate(weighted.detach() * rows, mask, alg.loss_agg, norm)
+            )
     return aggregate(weighted, mask, alg.loss_agg, norm), metrics, logp.detach()
 
 

@@ -125,6 +125,7 @@ def test_isolated_two_role_workflow_trains_both_adapters(tmp_path):
     (row,) = RunDir(tmp_path, tensorboard=False).read_metrics()
     assert row["role/solver/turns"] == 8.0 and row["role/judge/turns"] == 16.0
     assert 0 < row["role/judge/tokens"] <= 8 * (12 + 4)  # the second judge's call samples at most 4 tokens
+    assert row["role/solver/loss"] + row["role/judge/loss"] == pytest.approx(row["loss/total"], abs=1e-6)
     after = dict(policy.model.named_parameters())
     for role in ("solver", "judge"):
         moved = [not torch.equal(after[n], w) for n, w in before.items() if n.endswith(f"lora_B.{role}")]
