@@ -8,6 +8,7 @@ rollout temperature, so the `(B, T, V)` logits never exist at once (DESIGN "Log-
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from rolerl.models.lora import routes as lora_routes
 from rolerl.models.tiny import tiny_model
 from rolerl.models.topology import Topology
 from rolerl.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,8 +72,17 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
         torch.manual_seed(cfg.run.seed)
         add_adapters(model, names, rank=cfg.adapters.rank, alpha=cfg.adapters.alpha, target_modules=targets)
     if cfg.adapters.init:
+        found = [n for n in names if (Path(cfg.adapters.init) / n).is_dir()]
+        if not found:
+            raise FileNotFoundError(
+                f"adapters.init={cfg.adapters.init!r} holds none of this run's adapters {names} (as PEFT "
+                "directories named after them, e.g. `rolerl sft` output RUN_DIR/adapters)"
+            )
         for name in names:
-            load_adapter(model, name, Path(cfg.adapters.init) / name)
+            if name in found:
+                load_adapter(model, name, Path(cfg.adapters.init) / name)
+            else:  # e.g. imitation covered only some roles of an isolated topology
+                log.warning("adapters.init has no %r adapter; it starts fresh", name)
     model.to(device)
     index = {n: i for i, n in enumerate(adapter_specs(model))}
     route_of = {role: topology.route_of(role, index) for role in roles}

@@ -144,3 +144,22 @@ def test_cli_sft(tmp_path, capsys):
     assert (tmp_path / "run" / "adapters" / "policy" / "adapter_model.safetensors").is_file()
     assert main(["sft", SMOKE, "--set", *args]) == 2
     assert "sft.data is empty" in capsys.readouterr().err
+
+
+def test_rl_starts_from_sft_adapters(tmp_path, caplog):
+    from rolerl.train.policy import build_policy
+
+    data = tmp_path / "demos.jsonl"
+    data.write_text(json.dumps(dict(CONVERSATION, role="solver")) + "\n")
+    base = ["model.spec=tiny:llama", "model.device=cpu", "adapters.preset=isolated", "adapters.rank=4"]
+    cfg = load_config(
+        None, [*base, f"sft.data={data}", "sft.lr=1e-2", f"run.dir={tmp_path}", "run.tensorboard=false"]
+    )
+    out = sft(cfg)
+    warm = build_policy(load_config(None, [*base, f"adapters.init={out}"]), ["solver", "judge"])
+    params = dict(warm.model.named_parameters())
+    assert any(bool(torch.any(p != 0)) for n, p in params.items() if n.endswith("lora_B.solver"))
+    assert all(bool(torch.all(p == 0)) for n, p in params.items() if n.endswith("lora_B.judge"))
+    assert "no 'judge' adapter; it starts fresh" in caplog.text
+    with pytest.raises(FileNotFoundError, match="holds none of this run's adapters"):
+        build_policy(load_config(None, [*base, f"adapters.init={tmp_path / 'nothing'}"]), ["judge"])
