@@ -66,7 +66,7 @@ class AdaptersConfig(Section):
     preset: Literal["shared", "dart", "isolated"] = "shared"  # topology: which adapter each token trains
     rank: int = 16  # LoRA rank of every adapter
     alpha: float | None = None  # LoRA alpha; None = 2 * rank
-    target_modules: str | list[str] = "all-linear"  # PEFT-style: 'all-linear', a regex, or module names
+    target_modules: str | list[str] = "all-linear"  # 'all-linear', a path regex, or names [q_proj, ...]
     init: str | None = None  # a directory with one PEFT adapter per name (e.g. `rolerl sft` output)
 
     def check(self) -> None:
