@@ -239,7 +239,11 @@ def main() -> None:
         return
 
     common = ["--new-tokens", str(args.new_tokens), "--runs", str(args.runs)]
-    summary: dict = {"new_tokens": args.new_tokens, "runs": args.runs, "threads": 2}
+    summary: dict = {
+        "new_tokens": args.new_tokens,
+        "runs": args.runs,
+        "threads": int(os.environ.get("BENCH_THREADS", "2")),
+    }
     for dtype in args.dtypes:
         for row in args.rows:
             for batch in args.batches:

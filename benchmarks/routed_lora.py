@@ -119,7 +119,7 @@ def main() -> None:
         "seq": args.seq,
         "steps": args.steps,
         "rounds": args.rounds,
-        "threads": 2,
+        "threads": int(os.environ.get("BENCH_THREADS", "2")),
     }
     for dtype in args.dtypes:
         # Sides alternate in rounds, so load from anything else on the machine spreads over all of them.

@@ -185,22 +185,34 @@ class RoutedLoRALinear(nn.Module):
         return y + self._masked(x, used, specs).to(y.dtype)
 
     def _one_adapter(self, x: torch.Tensor, spec: AdapterSpec) -> torch.Tensor:
-        a, b = self.lora_A[spec.name], self.lora_B[spec.name]
-        h = F.linear(self.lora_dropout[spec.name](x), a.to(x.dtype)) * spec.scaling  # (B, T, r)
-        return F.linear(h, b.to(x.dtype))
+        a, b = self._stacked((spec.name,), x.dtype)
+        h = F.linear(self.lora_dropout[spec.name](x), a) * spec.scaling  # (B, T, r)
+        return F.linear(h, b)
 
     def _masked(self, x: torch.Tensor, used: list[int], specs: list[AdapterSpec]) -> torch.Tensor:
-        names = [s.name for s in specs]
+        names = tuple(s.name for s in specs)
+        a, b = self._stacked(names, x.dtype)  # (R, in), (out, R)
         if any(s.dropout > 0 for s in specs):
             # Each adapter sees its own dropout of x (as in PEFT); with dropout 0 (the default) one shared x.
             h = torch.cat([F.linear(self.lora_dropout[n](x), self.lora_A[n].to(x.dtype)) for n in names], -1)
         else:
-            a = torch.cat([self.lora_A[n] for n in names]) if len(names) > 1 else self.lora_A[names[0]]
-            h = F.linear(x, a.to(x.dtype))  # (B, T, R)
+            h = F.linear(x, a)  # (B, T, R)
         mask = self.state.mask(tuple(used), [s.rank for s in specs], [s.scaling for s in specs], h)
-        h = h * mask.view(*h.shape)
-        b = torch.cat([self.lora_B[n] for n in names], 1) if len(names) > 1 else self.lora_B[names[0]]
-        return F.linear(h, b.to(x.dtype))  # (B, T, out)
+        return F.linear(h * mask.view(*h.shape), b)  # (B, T, out)
+
+    def _stacked(self, names: tuple[str, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapters' A stacked by rows and B by columns, in the activation dtype (fp32 master weights:
+        cast the small matrices, not the activations). Without grad (rollout) the result is cached until a
+        weight changes (tracked by tensor versions), saving two cats and casts per layer per decode step."""
+        params = [self.lora_A[n] for n in names] + [self.lora_B[n] for n in names]
+        if torch.is_grad_enabled():
+            return _stack(params, len(names), dtype)
+        key = (names, dtype, tuple(p._version for p in params), tuple(p.data_ptr() for p in params))
+        cached = self.__dict__.get("_stack_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, _stack(params, len(names), dtype))
+            self.__dict__["_stack_cache"] = cached
+        return cached[1]
 
     def _gather(
         self, x: torch.Tensor, y: torch.Tensor, used: list[int], specs: list[AdapterSpec]
@@ -215,6 +227,12 @@ class RoutedLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"adapters={list(self.lora_A)}"
+
+
+def _stack(params: list[torch.Tensor], k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.cat(params[:k]) if k > 1 else params[0]
+    b = torch.cat(params[k:], 1) if k > 1 else params[k]
+    return a.to(dtype), b.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -233,7 +233,8 @@ class Engine:
         params = [rows[b].req.sampling for b in keep]
         seeds = torch.tensor([p.seed for p in params], dtype=torch.long)
         counters = torch.tensor([rows[b].sampled for b in keep], dtype=torch.long)
-        tokens, logps = self.sampler(logits[keep], params, seeds, counters)
+        logits = logits if len(keep) == len(rows) else logits[keep]  # (b, V); no copy in the common case
+        tokens, logps = self.sampler(logits, params, seeds, counters)
         self.stats["sample_s"] += time.perf_counter() - t1
         self.stats["decode_rows"] += len(keep)
         for b, token, logp in zip(keep, tokens.tolist(), logps.tolist(), strict=True):

@@ -100,8 +100,8 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     if batch.contiguous:
         k, v = k_cache[:n, :, : batch.kv_len], v_cache[:n, :, : batch.kv_len]
     else:
-        k = k_cache.index_select(0, batch.slots)[:, :, : batch.kv_len]
-        v = v_cache.index_select(0, batch.slots)[:, :, : batch.kv_len]
+        k = k_cache[:, :, : batch.kv_len].index_select(0, batch.slots)  # copies only what is read
+        v = v_cache[:, :, : batch.kv_len].index_select(0, batch.slots)
     k, v = k.to(query.dtype), v.to(query.dtype)
     b, heads, t, d = query.shape
     groups = heads // k.shape[1]

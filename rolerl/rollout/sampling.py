@@ -83,7 +83,8 @@ def sample(
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         u = counter_uniform(seeds[sampled], counters[sampled]).to(logits.device)
-        tokens[sampled] = _inverse_cdf(logp[sampled], [params[i] for i in sampled], u)
+        rows = logp if len(sampled) == len(params) else logp[sampled]
+        tokens[sampled] = _inverse_cdf(rows, [params[i] for i in sampled], u)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -97,7 +98,8 @@ def _inverse_cdf(logp: torch.Tensor, params: list[SamplingParams], u: torch.Tens
     tokens = torch.empty(len(params), dtype=torch.long, device=logp.device)
     plain = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
     if plain:
-        cdf = logp[plain].exp().cumsum(-1)  # (b, V)
+        rows = logp if len(plain) == len(params) else logp[plain]  # avoid copying (B, V) when all are plain
+        cdf = rows.exp().cumsum(-1)  # (b, V)
         target = (u[plain] * cdf[:, -1].double()).float()[:, None]
         # right=True: a zero-probability token (flat CDF step) can never be drawn, even for u = 0
         tokens[plain] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)

@@ -271,3 +271,22 @@ def test_routes_without_adapters_and_duplicate_names_are_rejected(tiny):
     rolerl.add_adapters(model, "a")
     with pytest.raises(ValueError, match="'a' is taken"):
         rolerl.add_adapters(model, "a")
+
+
+def test_rollout_weight_cache_follows_every_update(tiny):
+    """Without grad the stacked A/B are cached; an in-place update (optimizer step, load) must show."""
+    model, _ = tiny
+    rolerl.add_adapters(model, ["a", "b"], rank=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(12))
+    route = torch.tensor([[0, 1, 1, -1, 0], [1, 0, 0, 1, -1]])
+    with torch.no_grad():
+        before = model(ids, routes=route).logits
+    randomize_adapters(model, seed=13)  # in place, as an optimizer step
+    with torch.no_grad():
+        cached = model(ids, routes=route).logits
+        with rolerl.routes(model, 1):
+            model(ids)  # another layout in between
+        again = model(ids, routes=route).logits
+    fresh = model(ids, routes=route).logits.detach()  # grad enabled: no cache
+    assert not torch.equal(before, cached)
+    assert torch.equal(cached, fresh) and torch.equal(again, fresh)
