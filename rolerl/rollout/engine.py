@@ -112,7 +112,6 @@ class Engine:
         self.cache: KVCache | None = None
         self.active: list[_Row] = []  # row i lives in cache slot i
         self.waiting: deque[_Row] = deque()
-        self.finished: list[tuple[int, Turn]] = []
         self._next_handle = 0
         self.stats = {"forward_s": 0.0, "sample_s": 0.0, "steps": 0, "decode_rows": 0, "tool_calls": 0}
 
@@ -156,7 +155,9 @@ class Engine:
             if row.future is not None and row.future.done():
                 self._splice_tool_output(row)
         self._admit()
-        extend = [i for i, r in enumerate(self.active) if r.future is None and len(r.pending) > 1]
+        extend = [
+            i for i, r in enumerate(self.active) if r.future is None and len(r.pending) > 1 and not r.finish
+        ]
         if extend:
             self._forward_and_sample(extend)
         decode = [

@@ -72,7 +72,7 @@ def test_single_adapter_matches_peft(tiny):
     )
     rolerl.add_adapters(model, ["policy"], rank=8, alpha=16)
     randomize_adapters(model)
-    _copy_into_peft(model, peft_model, "policy")
+    copy_into_peft(model, peft_model, "policy")
     ids = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = peft_model(ids).logits
@@ -92,7 +92,7 @@ def test_single_adapter_matches_peft_on_default_model(default_model_cpu):
     )
     rolerl.add_adapters(model, ["policy"], rank=16, alpha=32)
     randomize_adapters(model, std=0.02)
-    _copy_into_peft(model, peft_model, "policy")
+    copy_into_peft(model, peft_model, "policy")
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = peft_model(ids).logits
@@ -102,7 +102,7 @@ def test_single_adapter_matches_peft_on_default_model(default_model_cpu):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-def _copy_into_peft(model, peft_model, name: str) -> None:
+def copy_into_peft(model, peft_model, name: str) -> None:
     layers = dict(routed_layers(model))
     n = 0
     with torch.no_grad():

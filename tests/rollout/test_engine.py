@@ -15,7 +15,7 @@ from rolerl.roles import shift, token_bytes
 from rolerl.rollout.engine import Engine, GenerationRequest
 from rolerl.rollout.sampling import SamplingParams, counter_uniform
 from rolerl.tools.base import ToolResult
-from tests.models.test_lora import randomize_adapters
+from tests.models.test_lora import copy_into_peft, randomize_adapters
 
 ALL_KINDS = ("prompt", "reasoning", "tool_call", "tool_output", "answer")
 
@@ -57,11 +57,7 @@ def test_greedy_equals_peft_generate_with_an_adapter_on_every_token(tiny):
     )
     rolerl.add_adapters(model, "policy", rank=4, alpha=8)
     randomize_adapters(model, std=0.2)
-    with torch.no_grad():
-        for path, layer in rolerl.models.lora.routed_layers(model):
-            target = peft_model.base_model.model.get_submodule(path)
-            target.lora_A["default"].weight.copy_(layer.lora_A["policy"])
-            target.lora_B["default"].weight.copy_(layer.lora_B["policy"])
+    copy_into_peft(model, peft_model, "policy")
     route_of = dict.fromkeys(ALL_KINDS, 0)
     reqs = [
         GenerationRequest(
@@ -89,11 +85,7 @@ def test_greedy_equals_hf_on_default_model(default_model_cpu, adapter):
         hf_model = get_peft_model(
             copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
         )
-        with torch.no_grad():
-            for path, layer in rolerl.models.lora.routed_layers(model):
-                target = hf_model.base_model.model.get_submodule(path)
-                target.lora_A["default"].weight.copy_(layer.lora_A["policy"])
-                target.lora_B["default"].weight.copy_(layer.lora_B["policy"])
+        copy_into_peft(model, hf_model, "policy")
         route_of = dict.fromkeys(ALL_KINDS, 0)
     chats = [
         [{"role": "user", "content": q}] for q in ["What is 2+3?", "Name a colour.", "Say hello in French."]
