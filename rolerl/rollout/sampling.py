@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn import functional as F
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers as signed int64 (torch has no uint64 mul)
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -74,8 +75,13 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return `(tokens (B,), logprobs (B,))`; each row is computed from its own logits and uniform only."""
     logits = logits.float()
-    scale = torch.tensor([p.scale for p in params], dtype=torch.float32, device=logits.device)
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)  # (B, V), untruncated
+    scales = [p.scale for p in params]
+    z = (
+        logits
+        if all(t == 1.0 for t in scales)
+        else logits / torch.tensor(scales, device=logits.device)[:, None]
+    )
+    lse = torch.logsumexp(z, dim=-1)  # (B,): logp = z - lse, the untruncated log_softmax
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -83,30 +89,52 @@ def sample(
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         u = counter_uniform(seeds[sampled], counters[sampled]).to(logits.device)
-        rows = logp if len(sampled) == len(params) else logp[sampled]
-        tokens[sampled] = _inverse_cdf(rows, [params[i] for i in sampled], u)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        every = len(sampled) == len(params)
+        rows, row_lse = (z, lse) if every else (z[sampled], lse[sampled])  # no (B, V) copy in the usual case
+        tokens[sampled] = _inverse_cdf(rows, row_lse, [params[i] for i in sampled], u)
+    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - lse
 
 
-def _inverse_cdf(logp: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """Draw from `softmax(logp)` restricted by each row's top-k / top-p, with one uniform per row.
+def _inverse_cdf(
+    z: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """Draw from `softmax(z)` restricted by each row's top-k / top-p, with one uniform per row.
 
     Unfiltered rows walk the CDF in vocabulary order, filtered rows in descending-probability order. A
     row's order depends on its own parameters only, never on its batch neighbours', so the same request
     draws the same token alone or in any batch.
     """
-    tokens = torch.empty(len(params), dtype=torch.long, device=logp.device)
+    tokens = torch.empty(len(params), dtype=torch.long, device=z.device)
     plain = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
     if plain:
-        rows = logp if len(plain) == len(params) else logp[plain]  # avoid copying (B, V) when all are plain
-        cdf = rows.exp().cumsum(-1)  # (b, V)
-        target = (u[plain] * cdf[:, -1].double()).float()[:, None]
-        # right=True: a zero-probability token (flat CDF step) can never be drawn, even for u = 0
-        tokens[plain] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
+        rows = z if len(plain) == len(params) else z[plain]
+        tokens[plain] = _blocked_inverse_cdf(torch.softmax(rows, dim=-1), u[plain])
     filtered = [i for i, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1)]
     if filtered:
-        tokens[filtered] = _filtered(logp[filtered], [params[i] for i in filtered], u[filtered])
+        logp = z[filtered] - lse[filtered, None]
+        tokens[filtered] = _filtered(logp, [params[i] for i in filtered], u[filtered])
     return tokens
+
+
+def _blocked_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Inverse CDF in vocabulary order without a full-vocabulary cumsum (which is sequential per row and
+    was ~5% of a decode step): cumulate block sums, find the block, then cumulate inside that block only.
+    Searches use right=True, so a zero-probability token (a flat CDF step) is never drawn."""
+    b, vocab = probs.shape
+    nb = -(-vocab // block)
+    if nb * block != vocab:
+        probs = F.pad(probs, (0, nb * block - vocab))
+    blocks = probs.view(b, nb, block)
+    sums = blocks.sum(-1)  # (b, nb)
+    csum = sums.cumsum(-1)  # (b, nb)
+    target = (u * csum[:, -1].double()).float()[:, None]  # (b, 1)
+    bi = torch.searchsorted(csum, target, right=True).squeeze(1).clamp_(max=nb - 1)  # (b,)
+    r = torch.arange(b, device=probs.device)
+    before = torch.where(bi > 0, csum[r, (bi - 1).clamp(min=0)], torch.zeros((), device=probs.device))
+    inner = blocks[r, bi]  # (b, block)
+    j = torch.searchsorted(before[:, None] + inner.cumsum(-1), target, right=True).squeeze(1)
+    last = block - 1 - (inner > 0).flip(-1).int().argmax(-1)  # the block's last token with mass (rounding)
+    return (bi * block + torch.minimum(j, last)).clamp_(max=vocab - 1)
 
 
 def _filtered(logp: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
