@@ -22,10 +22,12 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import Tags, TagStateMachine, encode_exact, format_tool_output, shift, token_bytes
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch
 from rolerl.rollout.sampling import SamplingParams, sample
@@ -246,10 +248,6 @@ class Engine:
             self._accept(row, token, logp)
 
     def _routes(self, routes: torch.Tensor):
-        from contextlib import nullcontext
-
-        from rolerl.models.lora import routes as routes_ctx
-
         if getattr(self.model, "_rolerl_route_state", None) is None:
             if bool((routes >= 0).any()):
                 raise ValueError(

@@ -290,3 +290,24 @@ def test_rollout_weight_cache_follows_every_update(tiny):
     fresh = model(ids, routes=route).logits.detach()  # grad enabled: no cache
     assert not torch.equal(before, cached)
     assert torch.equal(cached, fresh) and torch.equal(again, fresh)
+
+
+@pytest.mark.parametrize("pattern", ["random", "contiguous"])
+def test_gather_implementation_equals_masked(routed, pattern, monkeypatch):
+    """The gather/index_add alternative (kept for benchmarking) gives the masked path's logits and grads."""
+    model, _ = routed
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(14))
+    route = route_patterns(2, 9, pattern, seed=15)
+    results = []
+    for impl in ("masked", "gather"):
+        monkeypatch.setattr(RoutedLoRALinear, "impl", impl)
+        model.zero_grad(set_to_none=True)
+        logits = model(ids, routes=route).logits
+        logits.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logits.detach(), grads))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, atol=1e-5 * a.abs().max(), rtol=1e-5)
+    assert ga.keys() == gb.keys() and ga
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=1e-4 * ga[name].abs().max(), rtol=1e-4)
