@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 EPILOG = """examples:
-  rolerl demo                                  load the default model and sample from it
-  rolerl demo --model Qwen/Qwen3-0.6B --prompt "What is 17 * 23?"
+  rolerl demo                                  base eval -> imitation -> GRPO -> eval (~15 min on CPU)
+  rolerl demo --quick                          the same in ~3 minutes
   rolerl generate --prompt "What is 2**10?" --tools python --greedy --json
   rolerl adapters --model default --names reason tool --rank 8 --out adapters/
   rolerl train configs/smoke.yaml --set train.steps=5 run.dir=runs/smoke
@@ -35,52 +35,41 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _configure_demo(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
-    p.add_argument("--prompt", default="Explain in one sentence what a LoRA adapter is.", help="user message")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument(
+        "--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny:llama', a HF id..."
+    )
+    p.add_argument(
+        "--run-dir", default="runs/demo", help="where demonstrations, runs, results.json and the plot go"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the problems, adapters and sampling")
+    p.add_argument("--quick", action="store_true", help="a ~3 minute version (fewer problems, 2 RL steps)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: configs/demo.yaml's 16)")
+    p.add_argument("--demos", type=int, default=None, help="imitation demonstrations (default 256)")
+    p.add_argument("--eval-rl", type=int, default=None, help="held-out RL-family problems (default 256)")
+    p.add_argument(
+        "--eval-format", type=int, default=None, help="held-out format-family problems (default 128)"
+    )
+    p.add_argument("--probe", type=int, default=0, metavar="K", help="also measure the warm start's pass@K")
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=5e-5"
+    )
+    p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    """Until the RL demo lands: load the model, add two routed adapters, and greedily answer a prompt."""
-    import torch
+    """Base eval -> imitation warm start -> GRPO -> eval, on the built-in word problems (rolerl/demo.py)."""
+    from rolerl.demo import DemoSettings, run_demo
 
-    import rolerl
-
-    t0 = time.perf_counter()
-    model, tokenizer = rolerl.load_model(args.model, dtype=args.dtype)
-    load_s = time.perf_counter() - t0
-    rolerl.add_adapters(model, ["reason", "tool"], rank=8)
-    enc = tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    t0 = time.perf_counter()
-    with torch.no_grad(), rolerl.routes(model, "reason"):  # fresh adapters: identical to the base model
-        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
-    gen_s = time.perf_counter() - t0
-    new = out[0, enc["input_ids"].shape[1] :]
-    text = tokenizer.decode(new, skip_special_tokens=True)
+    given = {
+        "model": args.model, "run_dir": args.run_dir, "seed": args.seed, "rl_steps": args.steps,
+        "demos": args.demos, "eval_rl": args.eval_rl, "eval_format": args.eval_format,
+        "probe_k": args.probe, "overrides": tuple(args.set),
+    }  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    settings = DemoSettings.quick(**given) if args.quick else DemoSettings(**given)
+    results = run_demo(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": str(args.model),
-                    "text": text,
-                    "new_tokens": len(new),
-                    "load_s": round(load_s, 2),
-                    "generate_s": round(gen_s, 2),
-                }
-            )
-        )
-    else:
-        print(
-            f"model: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, loaded in {load_s:.1f}s)"
-        )
-        print(f"user: {args.prompt}\nassistant: {text}")
-        print(f"({len(new)} tokens in {gen_s:.1f}s; the RL demo arrives with the demo issue)")
+        print(json.dumps(results))
     return 0
 
 
@@ -273,7 +262,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         _configure_generate,
         _run_generate,
     ),
-    "demo": ("run the main demo (for now: load a model and sample from it)", _configure_demo, _run_demo),
+    "demo": ("tool-integrated RL on built-in word problems: base -> imitation -> GRPO -> eval", _configure_demo, _run_demo),
     "adapters": (
         "create fresh routed adapters and save them as PEFT directories",
         _configure_adapters,

@@ -6,7 +6,12 @@ from collections.abc import Callable
 
 from rolerl.tasks.arithmetic import ArithmeticTask
 from rolerl.tasks.base import Example, Messages, Task
+from rolerl.tasks.synthetic import SyntheticTask, format_task, rl_task
 
-TASKS: dict[str, Callable[[], Task]] = {"arithmetic": ArithmeticTask}
+TASKS: dict[str, Callable[[], Task]] = {
+    "arithmetic": ArithmeticTask,
+    "synthetic": rl_task,
+    "synthetic_format": format_task,
+}
 
-__all__ = ["TASKS", "ArithmeticTask", "Example", "Messages", "Task"]
+__all__ = ["TASKS", "ArithmeticTask", "Example", "Messages", "SyntheticTask", "Task"]

@@ -27,7 +27,7 @@ from rolerl.config import Config
 from rolerl.models.adapters_io import save_adapter
 from rolerl.roles import ANSWER, PROMPT, REASONING, TOOL_CALL, Tags, shift, splice_tokenize, split_segments
 from rolerl.train.checkpoint import RunDir
-from rolerl.train.policy import autocast, build_policy, select_rows, token_logprobs
+from rolerl.train.policy import Policy, autocast, build_policy, select_rows, token_logprobs
 from rolerl.train.update import lr_factor
 from rolerl.types import TrainBatch, Turn, collate
 
@@ -104,11 +104,16 @@ def sft_loss(
     return aggregate(-logp, batch.loss_mask[:, :-1], "token-mean", norm)
 
 
-def sft(cfg: Config, roles: Sequence[str] | None = None) -> Path:
-    """Train the adapters on `cfg.sft.data`; write them to `cfg.run.dir/adapters/<name>` (PEFT dirs)."""
+def sft(cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | None = None) -> Path:
+    """Train the adapters on `cfg.sft.data`; write them to `cfg.run.dir/adapters/<name>` (PEFT dirs).
+
+    `policy` trains an already built model in place (e.g. `rolerl demo`, which then evaluates and RL-trains
+    it); by default the model and adapters `cfg` names are built for `roles` (default: the data's roles)."""
     data = read_demonstrations(cfg.sft.data)
-    roles = list(roles) if roles else sorted({row["role"] for row in data})
-    policy = build_policy(cfg, roles)
+    if policy is None:
+        roles = list(roles) if roles else sorted({row["role"] for row in data})
+        policy = build_policy(cfg, roles)
+    roles = list(policy.route_of)
     turns = [
         t
         for row in data

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from rolerl.tasks.base import Task
 from rolerl.workflows.base import Context, Workflow, derive_seed
 from rolerl.workflows.single_turn import SingleTurn
+from rolerl.workflows.tir import TIR
 
-WORKFLOWS: dict[str, Callable[[Task], Workflow]] = {"single_turn": SingleTurn}
+WORKFLOWS: dict[str, Callable[[Task], Workflow]] = {"single_turn": SingleTurn, "tir": TIR}
 
-__all__ = ["WORKFLOWS", "Context", "SingleTurn", "Workflow", "derive_seed"]
+__all__ = ["WORKFLOWS", "Context", "SingleTurn", "TIR", "Workflow", "derive_seed"]

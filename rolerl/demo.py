@@ -1,0 +1,201 @@
+"""`rolerl demo`: tool-integrated reasoning on the built-in word problems, end to end on a CPU.
+
+1. evaluate the base model (greedy) on held-out problems of both family groups;
+2. warm-start the adapters by imitation on programmatic demonstrations of the *format* families;
+3. evaluate the warm start (and, with `probe_k`, its pass@k on the RL families);
+4. train with GRPO on the *RL* families (the TIR workflow, the Python sandbox as the tool);
+5. evaluate again; print a before/after table; write `results.json`, a plot of reward and accuracy per
+   step, the run directories of both trainings (metrics, PEFT adapters) under `run_dir`.
+
+Every number is a pure function of the settings and the seed (greedy evaluation, counter-based sampling,
+lockstep batching), up to the wall-clock timing of tool calls (docs/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rolerl.config import Config, load_config
+from rolerl.eval import EvalResult, by_family_table, evaluate, pooled_gain
+from rolerl.tasks.synthetic import SyntheticTask, format_task, rl_task
+from rolerl.workflows.tir import TIR
+
+
+@dataclass
+class DemoSettings:
+    """What `rolerl demo` runs; `quick()` is the 3-minute version. Training hyperparameters not here come
+    from `configs/demo.yaml` (overridable with `--set`)."""
+
+    model: str = "default"
+    run_dir: str = "runs/demo"
+    seed: int = 0
+    demos: int = 256  # imitation demonstrations (format families)
+    sft_epochs: int = 2
+    eval_format: int = 128  # held-out problems of the format families
+    eval_rl: int = 256  # held-out problems of the RL families
+    probe_k: int = 0  # > 0: also estimate pass@1 and pass@k of the warm start on the RL families
+    probe_n: int = 64  # problems in that probe
+    rl_steps: int | None = None  # None = configs/demo.yaml's train.steps; 0 = stop after the warm start
+    overrides: tuple[str, ...] = ()  # `section.field=value` for the config
+
+    @classmethod
+    def quick(cls, **kw: Any) -> DemoSettings:
+        return cls(**{"demos": 64, "sft_epochs": 2, "eval_format": 16, "eval_rl": 32, "rl_steps": 2, **kw})
+
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+
+
+def demo_config(settings: DemoSettings) -> Config:
+    overrides = [f"model.spec={settings.model}", f"run.seed={settings.seed}", *settings.overrides]
+    if settings.rl_steps:  # 0 = no RL (the config needs >= 1 step; run_demo skips the stage)
+        overrides.append(f"train.steps={settings.rl_steps}")
+    return load_config(DEFAULT_CONFIG, overrides)
+
+
+def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
+    """The whole pipeline; returns (and writes to `run_dir/results.json`) every evaluation's summary."""
+    from rolerl.rollout.engine import Engine
+    from rolerl.tools.python_sandbox import PythonSandbox
+    from rolerl.train.policy import build_policy
+    from rolerl.train.rl import train
+    from rolerl.train.sft import sft
+
+    t_start = time.perf_counter()
+    root = Path(settings.run_dir)
+    if (root / "results.json").exists():
+        raise ValueError(f"run_dir={str(root)!r} already holds a demo; choose another --run-dir")
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = demo_config(settings)
+    fmt, rl = format_task(), rl_task()
+    workflow = TIR(rl)
+    policy = build_policy(cfg, workflow.roles)
+    log(
+        f"model {cfg.model.spec} ({cfg.model.dtype}), adapters {policy.adapter_names} rank {cfg.adapters.rank}"
+    )
+    sandbox = PythonSandbox()
+    engine = Engine(
+        policy.model, policy.tokenizer, max_batch=cfg.rollout.max_batch, tools={"python": sandbox}
+    )
+    held_out = {
+        "format": fmt.examples("test", settings.eval_format, settings.seed),
+        "rl": rl.examples("test", settings.eval_rl, settings.seed),
+    }
+    results: dict[str, Any] = {"settings": dataclasses.asdict(settings), "evals": {}}
+
+    def run_eval(stage: str) -> dict[str, EvalResult]:
+        out = {}
+        for group, examples in held_out.items():
+            task = fmt if group == "format" else rl
+            out[group] = evaluate(
+                engine, policy.route_of, TIR(task), examples,
+                max_new_tokens=cfg.rollout.max_new_tokens, max_tool_calls=cfg.rollout.max_tool_calls,
+                seed=settings.seed,
+            )  # fmt: skip
+            s = out[group].summary()
+            results["evals"][f"{stage}/{group}"] = s
+            log(f"  {stage:>10} {group:>6}: {100 * s['accuracy']:5.1f}% +- {100 * s['stderr']:.1f} "
+                f"(n={int(s['n'])}, tool use {100 * s['tool_use']:.0f}%, {out[group].seconds:.0f}s)")  # fmt: skip
+        return out
+
+    try:
+        log("1/5 evaluating the base model (greedy)")
+        base = run_eval("base")
+        log(f"2/5 imitation warm start on {settings.demos} demonstrations x {settings.sft_epochs} epochs")
+        data = fmt.write_demonstrations(root / "demonstrations.jsonl", settings.demos, settings.seed)
+        t0 = time.perf_counter()
+        sft_cfg = dataclasses.replace(
+            cfg,
+            run=dataclasses.replace(cfg.run, dir=str(root / "sft")),
+            sft=dataclasses.replace(cfg.sft, data=str(data), epochs=settings.sft_epochs),
+        )
+        sft(sft_cfg, policy=policy)
+        results["sft_s"] = time.perf_counter() - t0
+        log("3/5 evaluating the warm start")
+        warm = run_eval("warm")
+        if settings.probe_k > 0:
+            results["probe"] = probe(engine, policy, rl, settings, cfg)
+            log(f"  probe (RL families, {settings.probe_n} problems, T={cfg.rollout.temperature}): "
+                f"pass@1 {100 * results['probe']['pass@1']:.1f}%, "
+                f"pass@{settings.probe_k} {100 * results['probe'][f'pass@{settings.probe_k}']:.1f}%")  # fmt: skip
+        after = warm
+        if settings.rl_steps != 0:
+            log(f"4/5 GRPO on the RL families: {cfg.train.steps} steps x {cfg.train.tasks_per_step} tasks "
+                f"x {cfg.rollout.n} samples")  # fmt: skip
+            rl_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(root / "rl")))
+            t0 = time.perf_counter()
+            train(rl_cfg, task=rl, workflow=workflow, policy=policy)
+            results["rl_s"] = time.perf_counter() - t0
+            log("5/5 evaluating after RL")
+            after = run_eval("rl")
+            plot_metrics(root / "rl" / "metrics.jsonl", root / "training.png")
+    finally:
+        sandbox.close()
+    table = {"base": base, "warm start": warm} | ({"after RL": after} if after is not warm else {})
+    for group in held_out:
+        log(f"\n{group} families (held-out, greedy)")
+        log(by_family_table({name: r[group] for name, r in table.items()}))
+    if after is not warm:
+        gain, se = pooled_gain([(warm["rl"].accuracy(), len(held_out["rl"]))],
+                               [(after["rl"].accuracy(), len(held_out["rl"]))])  # fmt: skip
+        results["gain"] = {"points": 100 * gain, "stderr_points": 100 * se}
+        z = f"{gain / se:+.1f}" if se > 0 else "n/a"
+        log(f"\nRL families: {100 * gain:+.1f} points over the warm start ({z} pooled standard errors)")
+    results["total_s"] = time.perf_counter() - t_start
+    tmp = root / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(root / "results.json")
+    log(f"wrote {root}/results.json" + (f", {root}/training.png" if after is not warm else "")
+        + f" ({results['total_s'] / 60:.1f} min)")  # fmt: skip
+    return results
+
+
+def probe(engine, policy, task: SyntheticTask, settings: DemoSettings, cfg: Config) -> dict[str, float]:
+    """pass@1 and pass@k of the current adapters on the RL families at the rollout temperature."""
+    examples = task.examples("test", settings.probe_n, settings.seed + 1)
+    r = evaluate(
+        engine, policy.route_of, TIR(task), examples, samples=settings.probe_k, greedy=False,
+        temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
+        max_tool_calls=cfg.rollout.max_tool_calls, seed=settings.seed,
+    )  # fmt: skip
+    out = {
+        "pass@1": r.pass_at(1),
+        f"pass@{settings.probe_k}": r.pass_at(settings.probe_k),
+        "seconds": r.seconds,
+    }
+    for fam in r.families():
+        out[f"pass@1/{fam}"] = r.pass_at(1, fam)
+        out[f"pass@{settings.probe_k}/{fam}"] = r.pass_at(settings.probe_k, fam)
+    return out
+
+
+def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
+    """Reward and accuracy per RL step as a PNG (needs matplotlib: `pip install rolerl[plot]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward/mean"] for r in rows], marker="o", label="reward (mean)")
+    ax.plot(steps, [r["accuracy"] for r in rows], marker="s", label="accuracy (rollouts)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("rolerl demo: TIR on the RL families")
+    fig.tight_layout()
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

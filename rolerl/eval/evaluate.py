@@ -1,0 +1,129 @@
+"""Evaluation: run a workflow over held-out examples through the engine and score pass@1 / pass@k.
+
+Greedy by default (`samples=1`); with `samples=k` and sampling it estimates pass@k with the unbiased
+estimator of Chen et al. (2021), `1 - C(n - c, k) / C(n, k)` per problem. All episodes run at once through
+a `LockstepBackend`, so an evaluation is as batched as a rollout step and deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolerl.eval.metrics import binomial_stderr, pass_at_k
+from rolerl.rollout.engine import Engine
+from rolerl.rollout.lockstep import LockstepBackend
+from rolerl.rollout.sampling import SamplingParams
+from rolerl.tasks.base import Example
+from rolerl.types import Episode
+from rolerl.workflows.base import Context, Workflow, derive_seed
+
+
+@dataclass
+class EvalResult:
+    examples: list[Example]
+    episodes: list[list[Episode]]  # per example, its samples
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def correct(self) -> list[list[bool]]:
+        return [[bool(e.metadata.get("correct", e.reward >= 1.0)) for e in eps] for eps in self.episodes]
+
+    def accuracy(self, family: str | None = None) -> float:
+        """Mean correctness over all samples (= pass@1), optionally of one family (`Example.meta`)."""
+        rows = self._rows(family)
+        return sum(sum(r) for r in rows) / max(sum(len(r) for r in rows), 1)
+
+    def pass_at(self, k: int, family: str | None = None) -> float:
+        rows = self._rows(family)
+        return sum(pass_at_k(len(r), sum(r), k) for r in rows) / max(len(rows), 1)
+
+    def stderr(self, family: str | None = None) -> float:
+        """Binomial standard error of `accuracy` over problems (one sample each)."""
+        return binomial_stderr(self.accuracy(family), len(self._rows(family)))
+
+    def families(self) -> list[str]:
+        return sorted({e.meta.get("family", "all") for e in self.examples})
+
+    def tool_use(self) -> float:
+        """Fraction of episodes that made at least one tool call."""
+        eps = [e for row in self.episodes for e in row]
+        return sum(bool(e.metadata.get("tool_calls")) for e in eps) / max(len(eps), 1)
+
+    def summary(self) -> dict[str, float]:
+        out = {"accuracy": self.accuracy(), "stderr": self.stderr(), "n": float(len(self.examples)),
+               "tool_use": self.tool_use()}  # fmt: skip
+        for fam in self.families():
+            out[f"accuracy/{fam}"] = self.accuracy(fam)
+        return out
+
+    def _rows(self, family: str | None) -> list[list[bool]]:
+        rows = self.correct()
+        if family is None:
+            return rows
+        return [
+            r for r, ex in zip(rows, self.examples, strict=True) if ex.meta.get("family", "all") == family
+        ]
+
+
+def evaluate(
+    engine: Engine,
+    route_of: Mapping[str, Mapping[str, int]],
+    workflow: Workflow,
+    examples: Sequence[Example],
+    *,
+    samples: int = 1,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    max_new_tokens: int = 256,
+    tool: str | None = "python",
+    max_tool_calls: int = 4,
+    seed: int = 0,
+    on_episode: Callable[[int, int], None] | None = None,
+) -> EvalResult:
+    """`samples` episodes of `workflow` per example through `engine`; `on_episode(done, total)` reports
+    progress. The engine is not closed (its tools stay warm for the next evaluation)."""
+    if greedy and samples > 1:
+        raise ValueError("greedy evaluation with samples > 1 repeats one answer; use greedy=False for pass@k")
+    sampling = SamplingParams(temperature=temperature, greedy=greedy, max_new_tokens=max_new_tokens)
+    backend = LockstepBackend(engine)
+    total, done = len(examples) * samples, 0
+
+    async def one(i: int, j: int, example: Example) -> Episode:
+        nonlocal done
+        ctx = Context(backend, engine.tokenizer, route_of, sampling, derive_seed(seed, "eval", i, j),
+                      tool=tool, max_tool_calls=max_tool_calls)  # fmt: skip
+        episode = await backend.episode(workflow.run(ctx, example))
+        done += 1
+        if on_episode is not None:
+            on_episode(done, total)
+        return episode
+
+    async def main() -> list[Episode]:
+        runs = [one(i, j, ex) for i, ex in enumerate(examples) for j in range(samples)]
+        return list(await asyncio.gather(*runs))
+
+    t0 = time.perf_counter()
+    flat = asyncio.run(main())
+    rows = [flat[i * samples : (i + 1) * samples] for i in range(len(examples))]
+    return EvalResult(list(examples), rows, seconds=time.perf_counter() - t0)
+
+
+def by_family_table(results: Mapping[str, EvalResult]) -> str:
+    """A plain-text table: one row per family (and `all`), one column per named result."""
+    names = list(results)
+    fams = sorted({f for r in results.values() for f in r.families()})
+    width = max([len(f) for f in fams] + [8])
+    lines = [f"{'family':<{width}}  " + "  ".join(f"{n:>12}" for n in names)]
+    for fam in [*fams, None]:
+        cells = []
+        for n in names:
+            r = results[n]
+            cells.append(
+                f"{100 * r.accuracy(fam):11.1f}%" if fam is None or fam in r.families() else " " * 12
+            )
+        lines.append(f"{fam or 'all':<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
