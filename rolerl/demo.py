@@ -22,7 +22,8 @@ from typing import Any
 
 from rolerl.config import Config, load_config
 from rolerl.eval import EvalResult, by_family_table, evaluate, pooled_gain
-from rolerl.tasks.synthetic import SyntheticTask, format_task, rl_task
+from rolerl.report.plots import plot_metrics
+from rolerl.tasks.synthetic import PROBE_FAMILIES, SyntheticTask, format_task, rl_task
 from rolerl.workflows.tir import TIR
 
 
@@ -32,12 +33,12 @@ class DemoSettings:
     from `configs/demo.yaml` (overridable with `--set`)."""
 
     model: str = "default"
-    run_dir: str = "runs/demo"
+    run_dir: str | None = None  # None = runs/demo-<date>-<time>
     seed: int = 0
     demos: int = 256  # imitation demonstrations (format families)
-    sft_epochs: int = 2
-    eval_format: int = 128  # held-out problems of the format families
+    eval_format: int = 64  # held-out problems of the format families
     eval_rl: int = 256  # held-out problems of the RL families
+    eval_base: int = 64  # the base model is evaluated on the first this-many of each (it scores ~0)
     probe_k: int = 0  # > 0: also estimate pass@1 and pass@k of the warm start on the RL families
     probe_n: int = 64  # problems in that probe
     rl_steps: int | None = None  # None = configs/demo.yaml's train.steps; 0 = stop after the warm start
@@ -45,7 +46,10 @@ class DemoSettings:
 
     @classmethod
     def quick(cls, **kw: Any) -> DemoSettings:
-        return cls(**{"demos": 64, "sft_epochs": 2, "eval_format": 16, "eval_rl": 32, "rl_steps": 2, **kw})
+        """About 3 minutes on 2 cores: fewer problems and demonstrations, 2 GRPO steps of 4 x 8 episodes."""
+        overrides = ("train.tasks_per_step=4", *kw.pop("overrides", ()))  # the user's --set wins
+        return cls(**{"demos": 64, "eval_format": 16, "eval_rl": 32, "eval_base": 16, "rl_steps": 2,
+                      "overrides": overrides, **kw})  # fmt: skip
 
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
@@ -67,7 +71,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     from rolerl.train.sft import sft
 
     t_start = time.perf_counter()
-    root = Path(settings.run_dir)
+    root = Path(settings.run_dir or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
     if (root / "results.json").exists():
         raise ValueError(f"run_dir={str(root)!r} already holds a demo; choose another --run-dir")
     root.mkdir(parents=True, exist_ok=True)
@@ -88,10 +92,11 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     }
     results: dict[str, Any] = {"settings": dataclasses.asdict(settings), "evals": {}}
 
-    def run_eval(stage: str) -> dict[str, EvalResult]:
+    def run_eval(stage: str, limit: int | None = None) -> dict[str, EvalResult]:
         out = {}
         for group, examples in held_out.items():
             task = fmt if group == "format" else rl
+            examples = examples[:limit]
             out[group] = evaluate(
                 engine, policy.route_of, TIR(task), examples,
                 max_new_tokens=cfg.rollout.max_new_tokens, max_tool_calls=cfg.rollout.max_tool_calls,
@@ -105,22 +110,22 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
 
     try:
         log("1/5 evaluating the base model (greedy)")
-        base = run_eval("base")
-        log(f"2/5 imitation warm start on {settings.demos} demonstrations x {settings.sft_epochs} epochs")
+        base = run_eval("base", settings.eval_base)
+        log(f"2/5 imitation warm start on {settings.demos} demonstrations x {cfg.sft.epochs} epochs")
         data = fmt.write_demonstrations(root / "demonstrations.jsonl", settings.demos, settings.seed)
         t0 = time.perf_counter()
         sft_cfg = dataclasses.replace(
             cfg,
             run=dataclasses.replace(cfg.run, dir=str(root / "sft")),
-            sft=dataclasses.replace(cfg.sft, data=str(data), epochs=settings.sft_epochs),
+            sft=dataclasses.replace(cfg.sft, data=str(data)),
         )
         sft(sft_cfg, policy=policy)
         results["sft_s"] = time.perf_counter() - t0
         log("3/5 evaluating the warm start")
         warm = run_eval("warm")
         if settings.probe_k > 0:
-            results["probe"] = probe(engine, policy, rl, settings, cfg)
-            log(f"  probe (RL families, {settings.probe_n} problems, T={cfg.rollout.temperature}): "
+            results["probe"] = probe(engine, policy, settings, cfg)
+            log(f"  probe (candidate families, {settings.probe_n} problems, T={cfg.rollout.temperature}): "
                 f"pass@1 {100 * results['probe']['pass@1']:.1f}%, "
                 f"pass@{settings.probe_k} {100 * results['probe'][f'pass@{settings.probe_k}']:.1f}%")  # fmt: skip
         after = warm
@@ -133,7 +138,9 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
             results["rl_s"] = time.perf_counter() - t0
             log("5/5 evaluating after RL")
             after = run_eval("rl")
-            plot_metrics(root / "rl" / "metrics.jsonl", root / "training.png")
+            plot_metrics(
+                root / "rl" / "metrics.jsonl", root / "training.png", "rolerl demo: TIR on the RL families"
+            )
     finally:
         sandbox.close()
     table = {"base": base, "warm start": warm} | ({"after RL": after} if after is not warm else {})
@@ -155,8 +162,10 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     return results
 
 
-def probe(engine, policy, task: SyntheticTask, settings: DemoSettings, cfg: Config) -> dict[str, float]:
-    """pass@1 and pass@k of the current adapters on the RL families at the rollout temperature."""
+def probe(engine, policy, settings: DemoSettings, cfg: Config) -> dict[str, float]:
+    """pass@1 and pass@k of the current adapters at the rollout temperature, on every candidate family
+    (`PROBE_FAMILIES`: the RL families and others that were considered for RL)."""
+    task = SyntheticTask(PROBE_FAMILIES, name="synthetic_probe")
     examples = task.examples("test", settings.probe_n, settings.seed + 1)
     r = evaluate(
         engine, policy.route_of, TIR(task), examples, samples=settings.probe_k, greedy=False,
@@ -171,31 +180,4 @@ def probe(engine, policy, task: SyntheticTask, settings: DemoSettings, cfg: Conf
     for fam in r.families():
         out[f"pass@1/{fam}"] = r.pass_at(1, fam)
         out[f"pass@{settings.probe_k}/{fam}"] = r.pass_at(settings.probe_k, fam)
-    return out
-
-
-def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
-    """Reward and accuracy per RL step as a PNG (needs matplotlib: `pip install rolerl[plot]`)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward/mean"] for r in rows], marker="o", label="reward (mean)")
-    ax.plot(steps, [r["accuracy"] for r in rows], marker="s", label="accuracy (rollouts)")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("rolerl demo: TIR on the RL families")
-    fig.tight_layout()
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(out)
     return out

@@ -3,13 +3,15 @@ integer answers, seeded train/test splits, an answer checker, and programmatic d
 
 The families come in two groups (docs/RESULTS.md has the probe that chose them):
 
-- `FORMAT_FAMILIES` teach the format by imitation: a bare expression and one-step word problems
-  (add, take away, groups of). A warm start on their demonstrations learns to write `print(...)` in the
-  tool tags, read the output and answer in `<answer>` tags.
-- `RL_FAMILIES` are what RL trains and evaluation measures: two-step problems, distractor quantities,
-  change from a payment, unit conversions and compositions. The warm-started model writes *some*
-  expression for them, often the wrong one: its greedy pass@1 is low while pass@8 is much higher, which
-  is the gap a few dozen GRPO steps can close by sharpening.
+- `FORMAT_FAMILIES` teach the format by imitation: a bare expression and one-step word problems (add,
+  take away, groups of, three people's total, one unit conversion, the cost of several things). A warm
+  start on their demonstrations learns to write `print(...)` in the tool tags, read the output and
+  answer in `<answer>` tags.
+- `RL_FAMILIES` are what RL trains and evaluation measures, each a composition of the format families'
+  steps or a twist on one: two steps (buy, then give away), a distractor quantity, change from a payment
+  (cost, then subtract), a mixed-unit conversion, groups plus extras. The warm-started model writes
+  *some* expression for them, often the wrong one: its greedy pass@1 is low while pass@8 is much higher,
+  which is the gap a few dozen GRPO steps can close by sharpening.
 
 Splits are disjoint by construction: a problem belongs to `test` iff a hash of its text falls in one
 tenth of the hash space, so no `train` problem is ever a `test` problem, whatever the seeds.
@@ -91,6 +93,29 @@ def _mul(rng: random.Random) -> Problem:
     return q, f"{a} * {b}", a * b
 
 
+def _add3(rng: random.Random) -> Problem:
+    names, (item,) = _pick(rng, NAMES, 3), _pick(rng, ITEMS)
+    a, b, c = rng.randint(5, 90), rng.randint(5, 90), rng.randint(5, 90)
+    q = (
+        f"{names[0]} has {a} {item}, {names[1]} has {b} {item} and {names[2]} has {c} {item}. "
+        f"How many {item} do they have together?"
+    )
+    return q, f"{a} + {b} + {c}", a + b + c
+
+
+def _convert(rng: random.Random) -> Problem:
+    big, small, per = rng.choice(UNITS)
+    a = rng.randint(2, 19)
+    return f"How many {small} are there in {a} {big}?", f"{a} * {per}", a * per
+
+
+def _cost(rng: random.Random) -> Problem:
+    (thing,) = _pick(rng, THINGS)
+    price, count = rng.randint(2, 19), rng.randint(2, 9)
+    q = f"A {thing} costs {price} dollars. How many dollars do {count} of them cost?"
+    return q, f"{price} * {count}", price * count
+
+
 # ---- RL families: what RL trains and evaluation measures ------------------------------------------------
 
 
@@ -143,19 +168,56 @@ def _groups(rng: random.Random) -> Problem:
     return q, f"{a} * {b} + {c}", a * b + c
 
 
+def _difference(rng: random.Random) -> Problem:
+    name, other = _pick(rng, NAMES, 2)
+    (item,) = _pick(rng, ITEMS)
+    a = rng.randint(40, 200)
+    b = rng.randint(5, a - 5)
+    q = f"{name} has {a} {item} and {other} has {b} {item}. How many more {item} does {name} have than {other}?"
+    return q, f"{a} - {b}", a - b
+
+
+def _share(rng: random.Random) -> Problem:
+    (name,), (item,) = _pick(rng, NAMES), _pick(rng, ITEMS)
+    each, friends = rng.randint(3, 25), rng.randint(2, 9)
+    q = (
+        f"{name} shares {each * friends} {item} equally among {friends} friends. "
+        f"How many {item} does each friend get?"
+    )
+    return q, f"{each * friends} // {friends}", each
+
+
+def _times(rng: random.Random) -> Problem:
+    name, other = _pick(rng, NAMES, 2)
+    (item,) = _pick(rng, ITEMS)
+    a, k = rng.randint(5, 60), rng.randint(2, 9)
+    q = f"{name} has {a} {item}. {other} has {k} times as many {item}. How many {item} does {other} have?"
+    return q, f"{a} * {k}", a * k
+
+
 FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
     "arith": _arith,
     "add": _add,
     "sub": _sub,
     "mul": _mul,
+    "add3": _add3,
+    "convert": _convert,
+    "cost": _cost,
     "two_step": _two_step,
     "distractor": _distractor,
     "change": _change,
     "units": _units,
     "groups": _groups,
+    "difference": _difference,
+    "share": _share,
+    "times": _times,
 }
-FORMAT_FAMILIES: tuple[str, ...] = ("arith", "add", "sub", "mul")
-RL_FAMILIES: tuple[str, ...] = ("two_step", "distractor", "change", "units", "groups")
+FORMAT_FAMILIES: tuple[str, ...] = ("arith", "add", "sub", "mul", "add3", "convert", "cost")
+# Chosen by the probe in docs/RESULTS.md: warm-start pass@8 well above pass@1 and below saturation.
+RL_FAMILIES: tuple[str, ...] = ("distractor", "units", "groups", "share", "times")
+# Every candidate the probe measures; two_step and change had pass@8 = 0 (nothing for RL to sharpen),
+# difference a pass@1 near 1 (nothing left to gain).
+PROBE_FAMILIES: tuple[str, ...] = (*RL_FAMILIES, "two_step", "change", "difference")
 SPLITS = ("train", "test")
 
 _NUMBER = re.compile(r"^[-+]?\d[\d,]*(\.0*)?$")

@@ -152,7 +152,8 @@ def train_step(
             bf16=cfg.train.bf16,
         )
         generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "shuffle", step))
-        policy.model.train()  # no dropout anywhere (LoRA dropout is 0), but HF modules expect the flag
+        # The model stays in eval mode: RL wants no dropout (the rollout had none), and train mode makes HF
+        # run p=0 dropout kernels over attention weights (measured ~30% slower fwd+bwd on CPU).
         metrics |= ppo_update(
             policy.model,
             params,
@@ -165,7 +166,6 @@ def train_step(
             grad_clip=cfg.optim.grad_clip,
             generator=generator,
         )
-        policy.model.eval()
     t2 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0}
     return metrics

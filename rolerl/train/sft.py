@@ -132,7 +132,7 @@ def sft(cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | Non
     run.write_config(cfg)
     generator = torch.Generator().manual_seed(cfg.run.seed)
     step = 0
-    policy.model.train()
+    policy.model.eval()  # no dropout (as in rollouts); train mode also runs p=0 dropout kernels (slow)
     try:
         for epoch in range(cfg.sft.epochs):
             for rows in torch.randperm(len(turns), generator=generator).split(cfg.sft.batch_size):
@@ -157,7 +157,6 @@ def sft(cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | Non
                 scheduler.step()
     finally:
         run.close()
-    policy.model.eval()
     out = Path(cfg.run.dir) / "adapters"
     for name in policy.adapter_names:
         save_adapter(policy.model, name, out / name)

@@ -27,7 +27,7 @@ def test_examples_are_a_pure_function_of_split_n_seed_and_balanced():
     assert task.examples("train", 40, seed=8) != a and task.examples("test", 40, seed=7) != a
     assert task.examples("train", 10, seed=7) == a[:10], "a prefix of a longer draw"
     families = [e.meta["family"] for e in a]
-    assert all(families.count(f) == 8 for f in RL_FAMILIES)
+    assert all(families.count(f) == 40 // len(RL_FAMILIES) for f in RL_FAMILIES)
     assert len({e.id for e in a}) == 40
     assert {e.meta["family"] for e in TASKS["synthetic_format"]().examples("train", 8, 0)} == set(
         FORMAT_FAMILIES
@@ -48,7 +48,7 @@ def test_reference_expression_gives_the_answer_and_uses_the_question_numbers(fam
         assert eval(e.meta["expr"]) == int(e.answer)  # noqa: S307 - our own generated expressions
         numbers = set(re.findall(r"\d+", e.question))
         used = set(re.findall(r"\d+", e.meta["expr"]))
-        conversion = {"60", "24", "7", "100", "1000"} if family == "units" else set()
+        conversion = {"60", "24", "7", "100", "1000"} if family in ("units", "convert") else set()
         assert used <= numbers | conversion, (e.question, e.meta["expr"])
         if family not in ("sub", "two_step", "distractor", "change", "arith"):
             assert int(e.answer) > 0

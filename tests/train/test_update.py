@@ -198,3 +198,27 @@ def test_bf16_autocast_loss_and_gradients_are_finite_and_close(tokenizer):
     assert math.isfinite(half) and half == pytest.approx(full, abs=0.05)
     g = grads(model)
     assert g and all(bool(torch.isfinite(v).all()) and v.dtype == torch.float32 for v in g.values())
+
+
+def test_cpu_bf16_training_forward_uses_eager_attention_with_sdpa_numerics(tokenizer, monkeypatch):
+    """Under CPU bf16 autocast the training forward switches to eager attention (faster backward); it must
+    give SDPA's log-probs up to bf16 rounding and restore the model's implementation afterwards."""
+    import rolerl.train.policy as policy
+
+    model, _, route_of = dart_model(tokenizer)
+    batch = hand_batch(model, route_of)
+
+    def run(bf16=True):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return token_logprobs(model, batch, temperature=1.0).logp.float()
+
+    mask = batch.loss_mask[:, :-1].bool()
+    exact = run(bf16=False)[mask]
+    eager = run()[mask]
+    assert model.config._attn_implementation == "sdpa", "restored after the forward"
+    monkeypatch.setattr(policy, "EAGER_MAX_LEN", 0)  # every batch is "long": SDPA stays
+    sdpa = run()[mask]
+    assert (eager != sdpa).any(), "the two kernels really ran"
+    err_eager, err_sdpa = (eager - exact).abs().mean(), (sdpa - exact).abs().mean()
+    print(f"mean |bf16 - fp32| log-prob: eager {err_eager:.4f}, sdpa {err_sdpa:.4f}")
+    assert err_eager < 1.5 * err_sdpa + 1e-3

@@ -1,0 +1,32 @@
+"""Plots of a run: PNG files written with matplotlib's Agg backend (no display needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_metrics(metrics_path: str | Path, out: str | Path, title: str = "GRPO training") -> Path:
+    """Reward and accuracy per RL step of a run's `metrics.jsonl` as a PNG at `out` (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward/mean"] for r in rows], marker="o", label="reward (mean)")
+    ax.plot(steps, [r["accuracy"] for r in rows], marker="s", label="accuracy (rollouts)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

@@ -1,0 +1,43 @@
+"""pass@k, standard errors and the pooled gain, against numbers computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rolerl.eval import EvalResult, pass_at_k, pooled_gain
+from rolerl.tasks.base import Example
+from rolerl.types import Episode
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 8, 8) == 1.0
+    assert pass_at_k(8, 2, 1) == pytest.approx(2 / 8)
+    # 1 - C(6, 4) / C(8, 4) = 1 - 15 / 70
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)
+    assert pass_at_k(8, 5, 4) == 1.0  # fewer than k wrong samples: some k-subset always has a right one
+    with pytest.raises(ValueError, match="at least 4"):
+        pass_at_k(3, 1, 4)
+    with pytest.raises(ValueError, match="0 <= c <= n"):
+        pass_at_k(3, 4, 1)
+
+
+def test_pooled_gain_by_hand():
+    gain, se = pooled_gain([(0.25, 100), (0.35, 100)], [(0.5, 100), (0.4, 100)])
+    assert gain == pytest.approx(0.15)
+    assert se == pytest.approx(math.sqrt(0.3 * 0.7 / 200 + 0.45 * 0.55 / 200))
+
+
+def test_eval_result_accuracy_pass_at_k_and_families():
+    examples = [Example(str(i), "q", "1", {"family": f}) for i, f in enumerate("aab")]
+    grid = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+    episodes = [[Episode(ex.id, [], float(c), metadata={"correct": bool(c), "tool_calls": c}) for c in row]
+                for ex, row in zip(examples, grid, strict=True)]  # fmt: skip
+    r = EvalResult(examples, episodes)
+    assert r.accuracy() == pytest.approx(5 / 12) and r.accuracy("a") == pytest.approx(5 / 8)
+    assert r.pass_at(1) == pytest.approx((0.25 + 1 + 0) / 3)
+    assert r.pass_at(2, "a") == pytest.approx(((1 - 3 / 6) + 1) / 2)  # 1 - C(3,2)/C(4,2) = 0.5
+    assert r.families() == ["a", "b"] and r.tool_use() == pytest.approx(5 / 12)
+    s = r.summary()
+    assert s["accuracy/b"] == 0.0 and s["n"] == 3

@@ -1,0 +1,34 @@
+"""`rolerl demo` end to end on the tiny model: every stage runs and writes its artefacts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rolerl.cli import main
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the demo's Python sandbox needs root (CI runs as root)"
+)
+
+
+def test_two_step_demo_on_the_tiny_model_writes_metrics_adapters_and_plot(tmp_path, capsys):
+    run = tmp_path / "demo"
+    args = ["demo", "--model", "tiny:llama", "--quick", "--run-dir", str(run), "--steps", "2", "--json",
+            "--set", "rollout.max_new_tokens=8", "train.tasks_per_step=2", "rollout.n=2"]  # fmt: skip
+    assert main(args) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(results["evals"]) == {f"{s}/{g}" for s in ("base", "warm", "rl") for g in ("format", "rl")}
+    assert results["evals"]["rl/rl"]["n"] == 32 and "gain" in results
+    assert json.loads((run / "results.json").read_text()) == results
+    metrics = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all("reward/mean" in m for m in metrics)
+    adapter = run / "rl" / "checkpoints" / "step_2" / "adapters" / "policy"
+    assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    assert (run / "sft" / "adapters" / "policy" / "adapter_config.json").exists()
+    assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((run / "demonstrations.jsonl").read_text().splitlines()) == 64
+    with pytest.raises(ValueError, match="already holds a demo"):
+        main(args)
