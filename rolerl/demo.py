@@ -139,7 +139,10 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
             log("5/5 evaluating after RL")
             after = run_eval("rl")
             plot_metrics(
-                root / "rl" / "metrics.jsonl", root / "training.png", "rolerl demo: TIR on the RL families"
+                root / "rl" / "metrics.jsonl",
+                root / "training.png",
+                "rolerl demo: TIR on the RL families",
+                held_out={0: warm["rl"].accuracy(), cfg.train.steps: after["rl"].accuracy()},
             )
     finally:
         sandbox.close()
@@ -164,9 +167,10 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
 
 def probe(engine, policy, settings: DemoSettings, cfg: Config) -> dict[str, float]:
     """pass@1 and pass@k of the current adapters at the rollout temperature, on every candidate family
-    (`PROBE_FAMILIES`: the RL families and others that were considered for RL)."""
+    (`PROBE_FAMILIES`: the RL families and others that were considered for RL). It draws from the train
+    split: choosing families never looks at the held-out problems."""
     task = SyntheticTask(PROBE_FAMILIES, name="synthetic_probe")
-    examples = task.examples("test", settings.probe_n, settings.seed + 1)
+    examples = task.examples("train", settings.probe_n, settings.seed + 1)
     r = evaluate(
         engine, policy.route_of, TIR(task), examples, samples=settings.probe_k, greedy=False,
         temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,

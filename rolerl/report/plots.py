@@ -6,8 +6,14 @@ import json
 from pathlib import Path
 
 
-def plot_metrics(metrics_path: str | Path, out: str | Path, title: str = "GRPO training") -> Path:
-    """Reward and accuracy per RL step of a run's `metrics.jsonl` as a PNG at `out` (written atomically)."""
+def plot_metrics(
+    metrics_path: str | Path,
+    out: str | Path,
+    title: str = "GRPO training",
+    held_out: dict[int, float] | None = None,
+) -> Path:
+    """Reward and accuracy per RL step of a run's `metrics.jsonl` as a PNG at `out` (written atomically);
+    `held_out` adds evaluation points `{step: accuracy}` (e.g. step 0 = the warm start)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,6 +25,9 @@ def plot_metrics(metrics_path: str | Path, out: str | Path, title: str = "GRPO t
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward/mean"] for r in rows], marker="o", label="reward (mean)")
     ax.plot(steps, [r["accuracy"] for r in rows], marker="s", label="accuracy (rollouts)")
+    if held_out:
+        xs = sorted(held_out)
+        ax.plot(xs, [held_out[x] for x in xs], "kD", markersize=8, label="held-out accuracy (greedy)")
     ax.set_xlabel("GRPO step")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

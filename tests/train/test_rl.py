@@ -191,3 +191,24 @@ def test_cli_train_and_config_errors(tmp_path, capsys):
     assert main(["train"]) == 2
     assert main(["train", SMOKE, "--set", *TINY, f"run.dir={run_dir}"]) == 2
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
+
+
+def test_tensorboard_mirrors_metrics_and_resume_purges_rewritten_steps(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars():
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars("reward/mean")]
+
+    run = RunDir(tmp_path)
+    for step in (1, 2, 3):
+        run.log({"step": step, "reward/mean": step / 10, "note": "text is not a scalar"})
+    run.close()
+    assert scalars() == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(0.3))]
+    resumed = RunDir(tmp_path, resume_step=1)  # the crash happened after step 3's log, before its checkpoint
+    resumed.log({"step": 2, "reward/mean": 0.5})
+    resumed.close()
+    assert scalars() == [(1, pytest.approx(0.1)), (2, pytest.approx(0.5))]
+    assert [r["step"] for r in RunDir(tmp_path, tensorboard=False).read_metrics()] == [1, 2]
