@@ -2,7 +2,7 @@
 
 1. evaluate the base model (greedy) on held-out problems of both family groups;
 2. warm-start the adapters by imitation on programmatic demonstrations of the *format* families;
-3. evaluate the warm start (and, with `probe_k`, its pass@k on the RL families);
+3. evaluate the warm start (and, with `probe_k`, its pass@1 / pass@k on every candidate family);
 4. train with GRPO on the *RL* families (the TIR workflow, the Python sandbox as the tool);
 5. evaluate again; print a before/after table; write `results.json`, a plot of reward and accuracy per
    step, the run directories of both trainings (metrics, PEFT adapters) under `run_dir`.
@@ -22,6 +22,7 @@ from typing import Any
 
 from rolerl.config import Config, load_config
 from rolerl.eval import EvalResult, by_family_table, evaluate, pooled_gain
+from rolerl.progress import ProgressBar
 from rolerl.report.plots import plot_metrics
 from rolerl.tasks.synthetic import PROBE_FAMILIES, SyntheticTask, format_task, rl_task
 from rolerl.workflows.tir import TIR
@@ -30,7 +31,7 @@ from rolerl.workflows.tir import TIR
 @dataclass
 class DemoSettings:
     """What `rolerl demo` runs; `quick()` is the 3-minute version. Training hyperparameters not here come
-    from `configs/demo.yaml` (overridable with `--set`)."""
+    from `rolerl/configs/demo.yaml` (overridable with `--set`)."""
 
     model: str = "default"
     run_dir: str | None = None  # None = runs/demo-<date>-<time>
@@ -39,9 +40,9 @@ class DemoSettings:
     eval_format: int = 64  # held-out problems of the format families
     eval_rl: int = 256  # held-out problems of the RL families
     eval_base: int = 64  # the base model is evaluated on the first this-many of each (it scores ~0)
-    probe_k: int = 0  # > 0: also estimate pass@1 and pass@k of the warm start on the RL families
+    probe_k: int = 0  # > 0: also estimate the warm start's pass@1 and pass@k on every candidate family
     probe_n: int = 64  # problems in that probe
-    rl_steps: int | None = None  # None = configs/demo.yaml's train.steps; 0 = stop after the warm start
+    rl_steps: int | None = None  # None = demo.yaml's train.steps; 0 = stop after the warm start
     overrides: tuple[str, ...] = ()  # `section.field=value` for the config
 
     @classmethod
@@ -76,6 +77,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         raise ValueError(f"run_dir={str(root)!r} already holds a demo; choose another --run-dir")
     root.mkdir(parents=True, exist_ok=True)
     cfg = demo_config(settings)
+    progress = cfg.run.progress
     fmt, rl = format_task(), rl_task()
     workflow = TIR(rl)
     policy = build_policy(cfg, workflow.roles)
@@ -97,11 +99,12 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         for group, examples in held_out.items():
             task = fmt if group == "format" else rl
             examples = examples[:limit]
-            out[group] = evaluate(
-                engine, policy.route_of, TIR(task), examples,
-                max_new_tokens=cfg.rollout.max_new_tokens, max_tool_calls=cfg.rollout.max_tool_calls,
-                seed=settings.seed,
-            )  # fmt: skip
+            with ProgressBar(f"eval {stage}/{group}", len(examples), enabled=progress, transient=True) as bar:
+                out[group] = evaluate(
+                    engine, policy.route_of, TIR(task), examples,
+                    max_new_tokens=cfg.rollout.max_new_tokens, max_tool_calls=cfg.rollout.max_tool_calls,
+                    seed=settings.seed, on_episode=lambda done, _: bar.update(done),
+                )  # fmt: skip
             s = out[group].summary()
             results["evals"][f"{stage}/{group}"] = s
             log(f"  {stage:>10} {group:>6}: {100 * s['accuracy']:5.1f}% +- {100 * s['stderr']:.1f} "

@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from rolerl.eval.metrics import binomial_stderr, pass_at_k
 from rolerl.rollout.engine import Engine
@@ -27,7 +26,6 @@ class EvalResult:
     examples: list[Example]
     episodes: list[list[Episode]]  # per example, its samples
     seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def correct(self) -> list[list[bool]]:
         return [[bool(e.metadata.get("correct", e.reward >= 1.0)) for e in eps] for eps in self.episodes]

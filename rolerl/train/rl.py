@@ -23,6 +23,7 @@ import torch
 
 from rolerl.algorithms import ADVANTAGES, zero_variance_mask
 from rolerl.config import Config
+from rolerl.progress import ProgressBar
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
@@ -81,7 +82,7 @@ def train(
     backend = LockstepBackend(engine) if cfg.rollout.backend == "lockstep" else EngineBackend(engine)
     last = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
     try:
-        with _progress(cfg, start) as progress:
+        with ProgressBar("train", cfg.train.steps, completed=start, enabled=cfg.run.progress) as bar:
             for step in range(start + 1, last + 1):
                 metrics = train_step(cfg, step, policy, params, optimizer, backend, task, workflow)
                 metrics["lr"] = scheduler.get_last_lr()[0]
@@ -97,7 +98,7 @@ def train(
                         scheduler,
                         keep_last=cfg.run.keep_last,
                     )
-                progress(step, metrics)
+                bar.update(step, f"reward {metrics['reward/mean']:.3f} acc {metrics['accuracy']:.2f}")
     finally:
         backend.close()
         for tool in engine.tools.values():  # e.g. the sandbox's worker processes
@@ -263,31 +264,3 @@ def _engine(cfg: Config, policy: Policy) -> Engine:
 
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-
-class _progress:
-    """A rich progress bar with ETA (a no-op when `run.progress` is off)."""
-
-    def __init__(self, cfg: Config, start: int) -> None:
-        self.cfg, self.start, self.bar = cfg, start, None
-
-    def __enter__(self):
-        if self.cfg.run.progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.description}"),
-            )  # fmt: skip
-            self.bar.start()
-            self.task = self.bar.add_task("", total=self.cfg.train.steps, completed=self.start)
-        return self
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        if self.bar is not None:
-            desc = f"reward {metrics['reward/mean']:.3f} acc {metrics['accuracy']:.2f}"
-            self.bar.update(self.task, completed=step, description=desc)
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -25,6 +25,7 @@ import torch
 from rolerl.algorithms import AggNorm, aggregate
 from rolerl.config import Config
 from rolerl.models.adapters_io import save_adapter
+from rolerl.progress import ProgressBar
 from rolerl.roles import ANSWER, PROMPT, REASONING, TOOL_CALL, Tags, shift, splice_tokenize, split_segments
 from rolerl.train.checkpoint import RunDir
 from rolerl.train.policy import Policy, autocast, build_policy, select_rows, token_logprobs
@@ -134,27 +135,31 @@ def sft(cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | Non
     step = 0
     policy.model.eval()  # no dropout (as in rollouts); train mode also runs p=0 dropout kernels (slow)
     try:
-        for epoch in range(cfg.sft.epochs):
-            for rows in torch.randperm(len(turns), generator=generator).split(cfg.sft.batch_size):
-                t0 = time.perf_counter()
-                batch = select_rows(batch_all, rows).to(policy.device)
-                norm = AggNorm.of(batch.loss_mask)
-                optimizer.zero_grad(set_to_none=True)
-                loss = 0.0
-                for start in range(0, len(rows), cfg.train.micro_batch_size):
-                    mb = select_rows(batch, range(start, min(start + cfg.train.micro_batch_size, len(rows))))
-                    part = sft_loss(policy.model, mb, norm, cfg.train.logprob_chunk, cfg.train.bf16)
-                    part.backward()
-                    loss += float(part.detach())
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    params, o.grad_clip if o.grad_clip > 0 else math.inf
-                )
-                optimizer.step()
-                step += 1
-                run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": float(grad_norm),
-                         "lr": scheduler.get_last_lr()[0], "tokens": norm.num_tokens,
-                         "time/step": time.perf_counter() - t0})  # fmt: skip
-                scheduler.step()
+        with ProgressBar("imitation", steps, enabled=cfg.run.progress) as bar:
+            for epoch in range(cfg.sft.epochs):
+                for rows in torch.randperm(len(turns), generator=generator).split(cfg.sft.batch_size):
+                    t0 = time.perf_counter()
+                    batch = select_rows(batch_all, rows).to(policy.device)
+                    norm = AggNorm.of(batch.loss_mask)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = 0.0
+                    for start in range(0, len(rows), cfg.train.micro_batch_size):
+                        mb = select_rows(
+                            batch, range(start, min(start + cfg.train.micro_batch_size, len(rows)))
+                        )
+                        part = sft_loss(policy.model, mb, norm, cfg.train.logprob_chunk, cfg.train.bf16)
+                        part.backward()
+                        loss += float(part.detach())
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        params, o.grad_clip if o.grad_clip > 0 else math.inf
+                    )
+                    optimizer.step()
+                    step += 1
+                    run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": float(grad_norm),
+                             "lr": scheduler.get_last_lr()[0], "tokens": norm.num_tokens,
+                             "time/step": time.perf_counter() - t0})  # fmt: skip
+                    scheduler.step()
+                    bar.update(step, f"loss {loss:.4f}")
     finally:
         run.close()
     out = Path(cfg.run.dir) / "adapters"
