@@ -8,10 +8,11 @@ The families come in two groups (docs/RESULTS.md has the probe that chose them):
   start on their demonstrations learns to write `print(...)` in the tool tags, read the output and
   answer in `<answer>` tags.
 - `RL_FAMILIES` are what RL trains and evaluation measures, each a composition of the format families'
-  steps or a twist on one: two steps (buy, then give away), a distractor quantity, change from a payment
-  (cost, then subtract), a mixed-unit conversion, groups plus extras. The warm-started model writes
-  *some* expression for them, often the wrong one: its greedy pass@1 is low while pass@8 is much higher,
-  which is the gap a few dozen GRPO steps can close by sharpening.
+  steps or a twist on one: a distractor quantity, a mixed-unit conversion, groups plus extras, equal
+  sharing (a division), "k times as many". The warm-started model writes *some* expression for them,
+  often the wrong one: its pass@1 is well below its pass@8, which is the gap a few dozen GRPO steps can
+  close by sharpening. `PROBE_FAMILIES` adds the candidates the probe rejected (two steps and change from
+  a payment, never solved in 8 samples; the difference of two counts, already solved).
 
 Splits are disjoint by construction: a problem belongs to `test` iff a hash of its text falls in one
 tenth of the hash space, so no `train` problem is ever a `test` problem, whatever the seeds.

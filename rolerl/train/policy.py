@@ -84,6 +84,7 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
             else:  # e.g. imitation covered only some roles of an isolated topology
                 log.warning("adapters.init has no %r adapter; it starts fresh", name)
     model.to(device)
+    model.eval()  # always: no dropout in rollout or training (a model built from a config starts in train mode)
     index = {n: i for i, n in enumerate(adapter_specs(model))}
     route_of = {role: topology.route_of(role, index) for role in roles}
     return Policy(model, tokenizer, topology, route_of, device)
