@@ -64,7 +64,10 @@ def test_yaml_and_overrides_with_type_coercion(tmp_path):
         (["optim.lr=-1"], r"optim.lr=-1.0; allowed: a number > 0"),
         (["algorithm.clip_c=0.5"], r"algorithm.clip_c=0.5; allowed: None or a number > 1"),
         (["algorithm.tis_cap=2"], r"algorithm.tis_cap=2.0 needs algorithm.old_logp='recompute'"),
-        (["task.name=chess"], r"task.name='chess'; allowed: \['arithmetic', 'synthetic', 'synthetic_format'\]"),
+        (
+            ["task.name=chess"],
+            r"task.name='chess'; allowed: \['arithmetic', 'synthetic', 'synthetic_format'\]",
+        ),
         (["train=3"], r"train must be a mapping of fields"),
         (["steps"], r"must look like section.field=value"),
     ],
