@@ -21,7 +21,7 @@ def test_two_step_demo_on_the_tiny_model_writes_metrics_adapters_and_plot(tmp_pa
     assert main(args) == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(results["evals"]) == {f"{s}/{g}" for s in ("base", "warm", "rl") for g in ("format", "rl")}
-    assert results["evals"]["rl/rl"]["n"] == 32 and "gain" in results
+    assert results["evals"]["rl/rl"]["n"] == 24 and "gain" in results
     assert json.loads((run / "results.json").read_text()) == results
     metrics = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("reward/mean" in m for m in metrics)
@@ -29,6 +29,6 @@ def test_two_step_demo_on_the_tiny_model_writes_metrics_adapters_and_plot(tmp_pa
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
     assert (run / "sft" / "adapters" / "policy" / "adapter_config.json").exists()
     assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len((run / "demonstrations.jsonl").read_text().splitlines()) == 64
+    assert len((run / "demonstrations.jsonl").read_text().splitlines()) == 48
     assert main(args) == 2, "a finished demo is never overwritten"
     assert "already holds a demo" in capsys.readouterr().err
