@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from rolerl.models.attention import attention_implementation
+
 ATTN_NAME = "rolerl_engine"
 
 
@@ -126,14 +128,9 @@ def engine_forward(model, batch: Batch):
     """Run `model` with the engine's attention over `batch`, restoring its attention implementation."""
     global _current
     register()
-    configs = {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None}
-    saved = {k: c._attn_implementation for k, c in configs.items()}
     _current = batch
-    for c in configs.values():
-        c._attn_implementation = ATTN_NAME
     try:
-        yield
+        with attention_implementation(model, ATTN_NAME):
+            yield
     finally:
         _current = None
-        for k, c in configs.items():
-            c._attn_implementation = saved[k]

@@ -20,6 +20,7 @@ from torch import nn
 from rolerl.algorithms import TokenLogprobs, chunked_logprobs
 from rolerl.config import Config
 from rolerl.models.adapters_io import load_adapter
+from rolerl.models.attention import attention_implementation
 from rolerl.models.load import load_model
 from rolerl.models.lora import adapter_specs, add_adapters
 from rolerl.models.lora import routes as lora_routes
@@ -142,15 +143,8 @@ def _attention_for(model: nn.Module, ids: torch.Tensor):
     if not cpu_bf16 or ids.shape[1] > EAGER_MAX_LEN:
         yield
         return
-    configs = [c for c in (model.config, getattr(model.config, "text_config", None)) if c is not None]
-    saved = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation = "eager"
-    try:
+    with attention_implementation(model, "eager"):
         yield
-    finally:
-        for c, impl in zip(configs, saved, strict=True):
-            c._attn_implementation = impl
 
 
 def select_rows(batch: TrainBatch, rows: torch.Tensor | Sequence[int]) -> TrainBatch:
