@@ -175,6 +175,7 @@ class TrainConfig(Section):
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate (exactly)
     bf16: bool = False  # bf16 autocast for the training forward (CPU and GPU)
     logprob_chunk: int = 512  # positions per chunk in the log-prob computation
+    share_prefix: bool = True  # compute a prompt shared by several rows (a GRPO group) once per micro-batch
 
     def check(self) -> None:
         for name in (

@@ -56,12 +56,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n_pos, chunk_size):
             e = min(s + chunk_size, n_pos)
             z = _block_logits(hidden[s:e], weight, bias, temperature)  # (n, V)
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            logp[s:e] = z.gather(1, safe[s:e, None]).squeeze(1) - lse[s:e]
-            if with_entropy:  # H = -Σ p·log p; log p = z - lse is <= 0, so no cancellation of large terms
-                logsm = z.sub_(lse[s:e, None])  # (n, V) log-softmax, in z's buffer
-                ent[s:e] = -_rowdot(logsm.exp(), logsm, hidden.device.type)  # one extra (n, V) buffer
-            del z
+            # One pass each: max, shift in place, exp, sum (logsumexp would allocate its own shifted copy).
+            top = z.amax(dim=-1)  # (n,)
+            z.sub_(top[:, None])  # (n, V) logits - max, <= 0
+            logp[s:e] = z.gather(1, safe[s:e, None]).squeeze(1)  # minus log Σ exp, below
+            p = torch.exp(z) if with_entropy else z.exp_()  # (n, V) unnormalised probabilities
+            total = p.sum(dim=-1)  # (n,) >= 1 (the max term is exp 0)
+            log_total = total.log()
+            lse[s:e] = top + log_total
+            logp[s:e] -= log_total
+            if with_entropy:  # H = log Σ exp z - E_p[z] with z <= 0: a sum of two terms >= 0, no cancellation
+                ent[s:e] = log_total - _rowdot(p, z, hidden.device.type) / total
+            del z, p
         logp = logp.masked_fill_(~valid, 0.0)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size

@@ -161,7 +161,7 @@ class Engine:
             i for i, r in enumerate(self.active) if r.future is None and len(r.pending) > 1 and not r.finish
         ]
         if extend:
-            self._forward_and_sample(extend)
+            self._extend(extend)
         decode = [
             i for i, r in enumerate(self.active) if r.future is None and len(r.pending) == 1 and not r.finish
         ]
@@ -210,7 +210,28 @@ class Engine:
                 for src, dst in zip((*old.k, *old.v), (*self.cache.k, *self.cache.v), strict=True):
                     dst[i, :, : row.cache_len] = src[i, :, : row.cache_len]
 
-    def _forward_and_sample(self, indices: list[int], sample_rows: set[int] | None = None) -> None:
+    def _extend(self, indices: list[int]) -> None:
+        """Prefill prompts and splice tool output. Rows with the same fresh prompt (ids and routes: the `n`
+        samples of a GRPO group) run it once; the others copy its cache and sample from its logits."""
+        first: dict[tuple, int] = {}
+        computed, copies = [], []
+        for i in indices:
+            row = self.active[i]
+            key = (tuple(row.pending), tuple(row.pending_routes)) if row.cache_len == 0 else (i,)
+            if key in first:
+                copies.append((first[key], i))
+            else:
+                first[key] = i
+                computed.append(i)
+        self._forward_and_sample(computed, copies=copies)
+
+    def _forward_and_sample(
+        self, indices: list[int], sample_rows: set[int] | None = None, copies: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """One forward over the active rows `indices` (those in `sample_rows`, default all, feed their
+        pending tokens; the others ride along with a dummy) and one sampled token per fed row. `copies`:
+        `(computed, copy)` pairs of rows with identical pending tokens; the copy gets the computed row's
+        cache and logits, then samples with its own seed."""
         rows = [self.active[i] for i in indices]
         live = [sample_rows is None or i in sample_rows for i in indices]
         width = max(len(r.pending) if ok else 1 for r, ok in zip(rows, live, strict=True))
@@ -230,6 +251,13 @@ class Engine:
             ).last_hidden_state  # (B, T, d)
             last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
             logits = self.lm_head(hidden[torch.arange(len(rows), device=self.device), last])  # (B, V)
+        if copies:
+            at = {i: b for b, i in enumerate(indices)}
+            for src, dst in copies:
+                self.cache.move(src, dst, self.active[src].cache_len + len(self.active[src].pending))
+            logits = torch.cat([logits, logits[[at[src] for src, _ in copies]]])  # (B + copies, V)
+            rows += [self.active[dst] for _, dst in copies]
+            live += [True] * len(copies)
         t1 = time.perf_counter()
         self.stats["forward_s"] += t1 - t0
         keep = [b for b, ok in enumerate(live) if ok]

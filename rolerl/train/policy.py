@@ -23,9 +23,9 @@ from rolerl.models.adapters_io import load_adapter
 from rolerl.models.attention import attention_implementation
 from rolerl.models.load import load_model
 from rolerl.models.lora import adapter_specs, add_adapters
-from rolerl.models.lora import routes as lora_routes
 from rolerl.models.tiny import tiny_model
 from rolerl.models.topology import Topology
+from rolerl.train.prefix import hidden_at
 from rolerl.types import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -106,28 +106,39 @@ def token_logprobs(
     chunk_size: int = 512,
     routes: torch.Tensor | int | None = None,
     with_entropy: bool = False,
+    share_prefix: bool = True,
 ) -> TokenLogprobs:
     """`(B, T-1)` log-probs (and entropies) of `input_ids[:, 1:]` under `routes` (default: the batch's).
 
     Column `p` is about token `p + 1`, the alignment of `TrainBatch`'s masks (slice them `[:, :-1]`).
-    Targets off the loss mask are ignored (log-prob 0, no gradient). `routes=-1` is the reference.
+    Only positions on the loss mask run the LM head; the others get log-prob 0 and entropy 0 (no
+    gradient). `routes=-1` is the reference. `share_prefix` computes each prompt shared by several rows
+    once (`rolerl.train.prefix`; equal up to float rounding).
     """
-    ids, mask = batch.input_ids, batch.attention_mask  # (B, T)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) right padding: pads repeat nothing harmful
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    keep = batch.loss_mask[:, :-1].bool()  # (B, T-1): positions whose next token is trained
+    keep = torch.cat([keep, torch.zeros_like(keep[:, :1])], 1)  # (B, T): the last position predicts nothing
     head = model.get_output_embeddings()
-    with lora_routes(model, batch.routes if routes is None else routes), _attention_for(model, ids):
-        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
-    targets = torch.where(batch.loss_mask[:, :-1].bool(), ids[:, 1:], torch.full_like(ids[:, 1:], -100))
-    return chunked_logprobs(
-        hidden[:, :-1],  # (B, T-1, d): position p predicts token p + 1
+    route = batch.routes if routes is None else routes
+    with _attention_for(model, batch.input_ids):
+        hidden = hidden_at(model, batch, route, keep, share_prefix=share_prefix)  # (N, d)
+    targets = batch.input_ids[:, 1:][keep[:, :-1]]  # (N,)
+    out = chunked_logprobs(
+        hidden[None],  # (1, N, d): position p predicts token p + 1
         head.weight,
-        targets,
+        targets[None],
         bias=head.bias,
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
     )
+    mask = keep[:, :-1]
+    entropy = None if out.entropy is None else _scatter(out.entropy[0], mask)
+    return TokenLogprobs(logp=_scatter(out.logp[0], mask), entropy=entropy)
+
+
+def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`(N,)` values into the `True` positions of `mask` `(B, T)`, zeros elsewhere (differentiable)."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
 
 
 EAGER_MAX_LEN = 1024

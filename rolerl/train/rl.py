@@ -151,6 +151,7 @@ def train_step(
             horizon=cfg.rollout.max_new_tokens,
             chunk_size=cfg.train.logprob_chunk,
             bf16=cfg.train.bf16,
+            share_prefix=cfg.train.share_prefix,
         )
         generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "shuffle", step))
         # The model stays in eval mode: RL wants no dropout (the rollout had none), and train mode makes HF

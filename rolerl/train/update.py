@@ -33,6 +33,14 @@ class LossSettings:
     horizon: int  # seq-mean-token-sum-norm's constant: the max response length
     chunk_size: int = 512
     bf16: bool = False
+    share_prefix: bool = True  # one forward per distinct prompt of a micro-batch (rolerl.train.prefix)
+
+    def logprob_args(self) -> dict:
+        return {
+            "temperature": self.temperature,
+            "chunk_size": self.chunk_size,
+            "share_prefix": self.share_prefix,
+        }
 
 
 @dataclass
@@ -93,7 +101,7 @@ def micro_batch_loss(
     alg = s.algorithm
     mask = mb.loss_mask[:, :-1]  # (b, T-1)
     with autocast(mb.input_ids.device, s.bf16):
-        out = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, with_entropy=True)
+        out = token_logprobs(model, mb, with_entropy=True, **s.logprob_args())
     logp, entropy = out.logp, out.entropy  # (b, T-1)
     adv = mb.advantages[:, :-1]  # (b, T-1)
     pg = ppo_clip_loss(
@@ -112,7 +120,7 @@ def micro_batch_loss(
         # The reference on this very micro-batch (same shapes, same rounding): with zero adapters the KL is
         # exactly 0, which a reference computed once per step over other row groupings would not give.
         with torch.no_grad(), autocast(mb.input_ids.device, s.bf16):
-            ref = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size, routes=-1)
+            ref = token_logprobs(model, mb, routes=-1, **s.logprob_args())
         kl = KL_ESTIMATORS[alg.kl](logp, ref.logp)  # (b, T-1)
         per_token = per_token + alg.beta * kl
         metrics["kl"] = float(masked_mean(kl.detach(), mask))
@@ -170,7 +178,7 @@ def recompute_logprobs(model: nn.Module, batch: TrainBatch, s: LossSettings, mic
         rows = list(range(start, min(start + micro_batch_size, batch.input_ids.shape[0])))
         mb = select_rows(batch, rows)
         with autocast(mb.input_ids.device, s.bf16):
-            lp = token_logprobs(model, mb, temperature=s.temperature, chunk_size=s.chunk_size).logp
+            lp = token_logprobs(model, mb, **s.logprob_args()).logp
         out[rows, : mb.input_ids.shape[1] - 1] = lp.float()
     return out
 

@@ -292,6 +292,35 @@ def test_continuous_batching_200_requests_16_slots_equal_solo(tiny):
         print(f"near-ties (legitimate divergences): {ties}")
 
 
+def test_group_sharing_a_prompt_prefills_it_once_and_equals_solo(tiny):
+    """A GRPO group: 6 samples of one prompt (plus one other prompt, and one with the same ids but another
+    route) are admitted together; each distinct (ids, routes) prompt runs through the model once, and every
+    sample equals its solo run."""
+    model, tok = tiny
+    rolerl.add_adapters(model, ["a"], rank=4)
+    randomize_adapters(model, seed=3, std=0.1)
+    ids, other = prompt_ids(tok, "Solve: 12 times 7, then add 3."), prompt_ids(tok, "Hello there, friend")
+    on, off = dict.fromkeys(ALL_KINDS, 0), None
+    reqs = [GenerationRequest(ids, SamplingParams(seed=i, max_new_tokens=12), route_of=on) for i in range(6)]
+    reqs += [
+        GenerationRequest(other, SamplingParams(seed=6, max_new_tokens=12), route_of=on),
+        GenerationRequest(ids, SamplingParams(seed=7, max_new_tokens=12), route_of=off),
+    ]
+    widths = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    engine = Engine(model, tok, max_batch=8)
+    turns = engine.generate(reqs)
+    hook.remove()
+    assert widths[0] == (3, len(ids)) and len(other) < len(ids)  # one prefill row per distinct prompt
+    assert all(w == (8, 1) for w in widths[1:12])  # then all 8 rows decode
+    assert len({tuple(t.completion_ids) for t in turns[:6]}) > 1  # each sample drew its own tokens
+    solo = Engine(model, tok, max_batch=1)
+    for req, turn in zip(reqs, turns, strict=True):
+        assert assert_same_or_near_tie(model, req, solo.generate([req])[0], turn) is None
+
+
 def test_bad_requests_are_rejected(tiny):
     model, tok = tiny
     engine = Engine(model, tok)

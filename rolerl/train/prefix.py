@@ -1,0 +1,146 @@
+"""The decoder forward of a training batch, computing each shared prompt once.
+
+GRPO samples `n` completions of every prompt, so the rows of a training batch come in groups that share
+their whole prompt (same ids, same routes). A plain forward recomputes that prompt `n` times. Here the
+distinct prompts run once (with the cache on), their keys and values are indexed out to every row of the
+group, and only the rows' own tokens run a second forward that attends to them. Autograd flows through
+the index, so each prompt's activations receive the gradients of all the rows that read it: values and
+gradients equal the plain forward up to float rounding (the matmuls have other shapes). With a 60-token
+prompt and 128-token completions in groups of 8, that is 27% fewer positions through the decoder, and
+fewer activations kept for backward.
+
+`hidden_at` returns the final hidden states at the positions asked for (the loss positions), so the
+full `(B, T, d)` tensor of a padded batch is never assembled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from rolerl.models.lora import routes as lora_routes
+from rolerl.roles import KIND_INDEX
+from rolerl.types import TrainBatch
+
+PROMPT = KIND_INDEX["prompt"]
+
+
+def hidden_at(
+    model: nn.Module, batch: TrainBatch, routes: Tensor | int, keep: Tensor, *, share_prefix: bool = True
+) -> Tensor:
+    """`(N, d)` final hidden states at the `True` positions of `keep` `(B, T)`, in row-major order.
+
+    `routes` is the batch's `(B, T)` routes or one int for every token (-1: the reference). With
+    `share_prefix`, rows whose prompts are identical (ids and routes) compute that prompt once.
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    plan = _plan(model, batch, routes) if share_prefix else None
+    if plan is None:
+        ids, mask = batch.input_ids, batch.attention_mask  # (B, T)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) right padding: pads repeat nothing harmful
+        with lora_routes(model, routes):
+            hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        return hidden[keep]
+    return _shared_forward(model, decoder, batch, routes, keep, *plan)
+
+
+def _plan(
+    model: nn.Module, batch: TrainBatch, routes: Tensor | int
+) -> tuple[Tensor, Tensor, list[int]] | None:
+    """`(prompt_len (B,), group (B,), first row of each group)`, or None when sharing saves nothing or
+    the model's attention cannot take the explicit mask it needs."""
+    config = model.config
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return None  # e.g. flash-attention-2 takes no 4D mask
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return None  # sliding-window layers would need their own mask
+    is_prompt = (batch.kind_ids == PROMPT).long()  # (B, T)
+    prompt_len = is_prompt.cumprod(-1).sum(-1)  # (B,) leading prompt positions
+    if bool((prompt_len == 0).any()):
+        return None
+    keys: dict[tuple, int] = {}
+    group, firsts = [], []
+    for r, n in enumerate(prompt_len.tolist()):
+        key = tuple(batch.input_ids[r, :n].tolist())
+        if isinstance(routes, Tensor):
+            key += tuple(routes[r, :n].tolist())
+        if key not in keys:
+            keys[key] = len(firsts)
+            firsts.append(r)
+        group.append(keys[key])
+    if len(firsts) == len(group):
+        return None  # every prompt is different: nothing to share
+    return prompt_len, torch.tensor(group, device=batch.input_ids.device), firsts
+
+
+def _shared_forward(
+    model: nn.Module,
+    decoder: nn.Module,
+    batch: TrainBatch,
+    routes: Tensor | int,
+    keep: Tensor,
+    prompt_len: Tensor,
+    group: Tensor,
+    firsts: list[int],
+) -> Tensor:
+    ids, device = batch.input_ids, batch.input_ids.device
+    b, u = ids.shape[0], len(firsts)
+    lengths = batch.attention_mask.sum(-1)  # (B,)
+    # 1. the distinct prompts, right-padded to P: (U, P)
+    p = int(prompt_len.max())
+    first = torch.tensor(firsts, device=device)
+    p_len = prompt_len[first]  # (U,)
+    p_valid = torch.arange(p, device=device)[None, :] < p_len[:, None]  # (U, P)
+    p_ids = torch.where(p_valid, ids[first, :p], ids[first, :p].new_zeros(()))
+    p_routes = routes if isinstance(routes, int) else torch.where(p_valid, routes[first, :p], -1)
+    cache = DynamicCache()
+    with lora_routes(model, p_routes):
+        p_hidden = decoder(
+            input_ids=p_ids,
+            attention_mask=p_valid.long(),
+            position_ids=torch.arange(p, device=device).expand(u, p),
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state  # (U, P, d)
+    # 2. each row's own tokens, right-padded to S, attending to its group's prompt keys and values
+    s = max(int((lengths - prompt_len).max()), 1)
+    cols = prompt_len[:, None] + torch.arange(s, device=device)[None, :]  # (B, S) positions in the row
+    s_valid = cols < lengths[:, None]  # (B, S)
+    at = cols.clamp(max=ids.shape[1] - 1)
+    s_ids = torch.where(s_valid, ids.gather(1, at), ids.new_zeros(()))
+    s_routes = routes if isinstance(routes, int) else torch.where(s_valid, routes.gather(1, at), -1)
+    rows_cache = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        rows_cache.update(layer.keys.index_select(0, group), layer.values.index_select(0, group), i)
+    with lora_routes(model, s_routes):
+        s_hidden = decoder(
+            input_ids=s_ids,
+            attention_mask=_suffix_mask(model, prompt_len, p, s),
+            position_ids=cols,
+            cache=rows_cache,
+            use_cache=True,
+        ).last_hidden_state  # (B, S, d)
+    # 3. the hidden states at the kept positions: from the prompt pass before the row's prompt ends,
+    # from the row pass after
+    rows, pos = keep.nonzero(as_tuple=True)  # (N,), (N,) row-major, like boolean indexing
+    n_prompt = prompt_len[rows]
+    index = torch.where(pos < n_prompt, group[rows] * p + pos, u * p + rows * s + (pos - n_prompt))
+    flat = torch.cat([p_hidden.reshape(u * p, -1), s_hidden.reshape(b * s, -1)])  # (U·P + B·S, d)
+    return flat.index_select(0, index)
+
+
+def _suffix_mask(model: nn.Module, prompt_len: Tensor, p: int, s: int) -> Tensor:
+    """`(B, 1, S, P + S)` mask of the row pass: query j sees its row's prompt keys (`k < prompt_len`) and
+    its own keys up to itself (`P <= k <= P + j`). Pad queries see earlier pads: finite, never used.
+    Boolean for SDPA; additive for eager attention, which adds the mask to the scores."""
+    device = prompt_len.device
+    k = torch.arange(p + s, device=device)  # (P+S,)
+    j = torch.arange(s, device=device)  # (S,)
+    prompt_keys = k[None, None, :] < prompt_len[:, None, None]  # (B, 1, P+S)
+    own_keys = (k[None, :] >= p) & (k[None, :] - p <= j[:, None])  # (S, P+S)
+    allowed = (prompt_keys | own_keys[None]).unsqueeze(1)  # (B, 1, S, P+S)
+    if model.config._attn_implementation == "sdpa":
+        return allowed
+    zero = torch.zeros((), device=device)
+    return torch.where(allowed, zero, torch.full((), torch.finfo(torch.float32).min, device=device))

@@ -1,0 +1,114 @@
+"""Shared-prompt forward == the plain forward: log-probs, entropies and every adapter's gradient, on each
+tiny architecture, with groups of rows sharing prompts of different lengths, two routed adapters, ragged
+completions, and the reference (route -1); plus when sharing must not happen."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rolerl
+from rolerl.models.topology import Topology
+from rolerl.roles import ANSWER, REASONING, TOOL_CALL, TOOL_OUTPUT, shift
+from rolerl.train import prefix
+from rolerl.train.policy import autocast, token_logprobs
+from rolerl.types import Turn, collate
+from tests.models.test_lora import randomize_adapters
+
+R, C, X, A = REASONING, TOOL_CALL, TOOL_OUTPUT, ANSWER
+
+
+def grouped_batch(route_of, groups=((5, 3), (9, 2), (2, 1)), seed=0):
+    """Groups of `(prompt length, rows)`: rows of a group share the prompt, completions differ in length
+    and kinds (tool output included), so prompts and completions are both ragged."""
+    g = torch.Generator().manual_seed(seed)
+    pattern = [R, R, C, C, X, X, X, R, A, A, R, R]
+    turns = []
+    for p_len, rows in groups:
+        prompt = torch.randint(3, 4000, (p_len,), generator=g).tolist()
+        for i in range(rows):
+            kinds = pattern[: 4 + 3 * i + p_len % 3]
+            completion = torch.randint(3, 4000, (len(kinds),), generator=g).tolist()
+            logprobs = [math.nan if k == X else -1.0 for k in kinds]
+            routes = shift(["prompt"] * p_len + kinds, route_of)
+            turns.append(Turn("policy", prompt, completion, kinds, routes, logprobs))
+    adv = torch.randn(len(turns), generator=g).tolist()
+    return collate(turns, adv, {"policy": route_of}, pad_id=2)
+
+
+def routed_model(arch, tokenizer, dtype=torch.float32):
+    model, _ = rolerl.tiny_model(arch, seed=0, tokenizer=tokenizer, dtype=dtype)
+    rolerl.add_adapters(model, ["reason", "tool"], rank=4)
+    randomize_adapters(model, seed=1, std=0.1)
+    model.eval()
+    route_of = Topology.from_preset("dart", ["policy"]).route_of("policy", {"reason": 0, "tool": 1})
+    return model, route_of
+
+
+def logprobs_and_grads(model, batch, share, routes=None):
+    model.zero_grad(set_to_none=True)
+    out = token_logprobs(model, batch, temperature=0.7, chunk_size=5, with_entropy=True, routes=routes,
+                         share_prefix=share)  # fmt: skip
+    up = torch.linspace(-1, 1, out.logp.numel()).view_as(out.logp).to(out.logp.dtype)
+    ((out.logp * up).sum() - 0.3 * out.entropy.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prefix_equals_plain_forward(arch, attn, tokenizer):
+    model, route_of = routed_model(arch, tokenizer, dtype=torch.float64)
+    model.config._attn_implementation = attn
+    batch = grouped_batch(route_of)
+    assert prefix._plan(model, batch, batch.routes) is not None  # 6 rows, 3 distinct prompts: it shares
+    calls = []
+    decoder = model.get_decoder()
+    hook = decoder.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True
+    )
+    shared, g_shared = logprobs_and_grads(model, batch, share=True)
+    assert calls == [(3, 9), (6, 12)]  # 3 prompts of <= 9 tokens once, then 6 rows of <= 12 own tokens
+    hook.remove()
+    plain, g_plain = logprobs_and_grads(model, batch, share=False)
+    mask = batch.loss_mask[:, :-1].bool()
+    atol = 1e-10 if attn == "sdpa" else 2e-5  # HF's eager attention takes its softmax in fp32
+    torch.testing.assert_close(shared.logp, plain.logp, rtol=0, atol=atol)
+    torch.testing.assert_close(shared.entropy[mask], plain.entropy[mask], rtol=0, atol=atol)
+    assert torch.equal(shared.logp[~mask], torch.zeros_like(shared.logp[~mask]))
+    assert set(g_shared) == set(g_plain) and any("tool" in n for n in g_shared)  # both adapters trained
+    for name, g in g_plain.items():  # the adapters are fp32 parameters: their gradients carry fp32 rounding
+        torch.testing.assert_close(g_shared[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=name)
+
+
+def test_reference_route_and_bf16_autocast(tokenizer):
+    """route -1 (the KL reference) groups by ids alone; under CPU bf16 autocast (eager attention, additive
+    mask) the two paths agree within bf16 rounding."""
+    model, route_of = routed_model("llama", tokenizer)
+    batch = grouped_batch(route_of, seed=3)
+    with torch.no_grad():
+        ref_shared = token_logprobs(model, batch, temperature=1.0, routes=-1, share_prefix=True).logp
+        ref_plain = token_logprobs(model, batch, temperature=1.0, routes=-1, share_prefix=False).logp
+        torch.testing.assert_close(ref_shared, ref_plain, rtol=0, atol=2e-5)
+        with autocast(torch.device("cpu"), True):
+            bf_shared = token_logprobs(model, batch, temperature=1.0, share_prefix=True).logp
+            bf_plain = token_logprobs(model, batch, temperature=1.0, share_prefix=False).logp
+    torch.testing.assert_close(bf_shared, bf_plain, rtol=0, atol=0.1)
+    assert float((bf_shared - bf_plain).abs().mean()) < 0.02
+
+
+def test_no_sharing_when_it_cannot_help_or_cannot_be_masked(tokenizer):
+    model, route_of = routed_model("llama", tokenizer)
+    distinct = grouped_batch(route_of, groups=((4, 1), (6, 1), (5, 1)))
+    assert prefix._plan(model, distinct, distinct.routes) is None  # every prompt differs
+    batch = grouped_batch(route_of)
+    # same prompt ids but a different adapter on one row's prompt: that row must not share
+    routes = batch.routes.clone()
+    routes[1, 0] = 1
+    prompt_len, group, firsts = prefix._plan(model, batch, routes)
+    assert group.tolist() == [0, 1, 0, 2, 2, 3] and firsts == [0, 1, 3, 5]
+    assert prompt_len.tolist() == [5, 5, 5, 9, 9, 2]
+    model.config._attn_implementation = "flash_attention_2"  # takes no 4D mask
+    assert prefix._plan(model, batch, batch.routes) is None
