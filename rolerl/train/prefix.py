@@ -35,7 +35,9 @@ def hidden_at(
     `share_prefix`, rows whose prompts are identical (ids and routes) compute that prompt once.
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    plan = _plan(model, batch, routes) if share_prefix else None
+    # Grouped by the batch's own routes even for the reference (route -1): the policy and reference forwards
+    # of a micro-batch then have the same shapes and rounding (KL exactly 0 at zero adapters).
+    plan = _plan(model, batch, batch.routes) if share_prefix else None
     if plan is None:
         ids, mask = batch.input_ids, batch.attention_mask  # (B, T)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) right padding: pads repeat nothing harmful

@@ -84,8 +84,8 @@ def test_shared_prefix_equals_plain_forward(arch, attn, tokenizer):
 
 
 def test_reference_route_and_bf16_autocast(tokenizer):
-    """route -1 (the KL reference) groups by ids alone; under CPU bf16 autocast (eager attention, additive
-    mask) the two paths agree within bf16 rounding."""
+    """route -1 (the KL reference) through the shared path equals the plain one; under CPU bf16 autocast
+    (eager attention, additive mask) the two paths agree within bf16 rounding."""
     model, route_of = routed_model("llama", tokenizer)
     batch = grouped_batch(route_of, seed=3)
     with torch.no_grad():
