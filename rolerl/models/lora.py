@@ -177,9 +177,8 @@ class RoutedLoRALinear(nn.Module):
         self.lora_A[spec.name] = nn.Parameter(a)
         self.lora_B[spec.name] = nn.Parameter(b)
         self.lora_dropout[spec.name] = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
-        self.__dict__["_carried"] = tuple(
-            self.lora_A
-        )  # the adapters on this layer (plain attribute: hot path)
+        # the adapters on this layer, as a plain attribute (read on every call: the hot path)
+        self.__dict__["_carried"] = tuple(self.lora_A)
         self.__dict__.pop("_stack_cache", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

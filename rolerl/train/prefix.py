@@ -37,7 +37,7 @@ def hidden_at(
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     # Grouped by the batch's own routes even for the reference (route -1): the policy and reference forwards
     # of a micro-batch then have the same shapes and rounding (KL exactly 0 at zero adapters).
-    plan = _plan(model, batch, batch.routes) if share_prefix else None
+    plan = _plan(model, batch) if share_prefix else None
     if plan is None:
         ids, mask = batch.input_ids, batch.attention_mask  # (B, T)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) right padding: pads repeat nothing harmful
@@ -47,11 +47,10 @@ def hidden_at(
     return _shared_forward(model, decoder, batch, routes, keep, *plan)
 
 
-def _plan(
-    model: nn.Module, batch: TrainBatch, routes: Tensor | int
-) -> tuple[Tensor, Tensor, list[int]] | None:
-    """`(prompt_len (B,), group (B,), first row of each group)`, or None when sharing saves nothing or
-    the model's attention cannot take the explicit mask it needs."""
+def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int]] | None:
+    """`(prompt_len (B,), group (B,), first row of each group)` of the rows grouped by prompt ids and
+    `batch.routes`, or None when sharing saves nothing or the model's attention cannot take the explicit
+    mask it needs."""
     config = model.config
     if config._attn_implementation not in ("sdpa", "eager"):
         return None  # e.g. flash-attention-2 takes no 4D mask
@@ -64,9 +63,7 @@ def _plan(
     keys: dict[tuple, int] = {}
     group, firsts = [], []
     for r, n in enumerate(prompt_len.tolist()):
-        key = tuple(batch.input_ids[r, :n].tolist())
-        if isinstance(routes, Tensor):
-            key += tuple(routes[r, :n].tolist())
+        key = (tuple(batch.input_ids[r, :n].tolist()), tuple(batch.routes[r, :n].tolist()))
         if key not in keys:
             keys[key] = len(firsts)
             firsts.append(r)

@@ -63,7 +63,7 @@ def test_shared_prefix_equals_plain_forward(arch, attn, tokenizer):
     model, route_of = routed_model(arch, tokenizer, dtype=torch.float64)
     model.config._attn_implementation = attn
     batch = grouped_batch(route_of)
-    assert prefix._plan(model, batch, batch.routes) is not None  # 6 rows, 3 distinct prompts: it shares
+    assert prefix._plan(model, batch) is not None  # 6 rows, 3 distinct prompts: it shares
     calls = []
     decoder = model.get_decoder()
     hook = decoder.register_forward_pre_hook(
@@ -102,13 +102,12 @@ def test_reference_route_and_bf16_autocast(tokenizer):
 def test_no_sharing_when_it_cannot_help_or_cannot_be_masked(tokenizer):
     model, route_of = routed_model("llama", tokenizer)
     distinct = grouped_batch(route_of, groups=((4, 1), (6, 1), (5, 1)))
-    assert prefix._plan(model, distinct, distinct.routes) is None  # every prompt differs
+    assert prefix._plan(model, distinct) is None  # every prompt differs
     batch = grouped_batch(route_of)
     # same prompt ids but a different adapter on one row's prompt: that row must not share
-    routes = batch.routes.clone()
-    routes[1, 0] = 1
-    prompt_len, group, firsts = prefix._plan(model, batch, routes)
+    batch.routes[1, 0] = 1
+    prompt_len, group, firsts = prefix._plan(model, batch)
     assert group.tolist() == [0, 1, 0, 2, 2, 3] and firsts == [0, 1, 3, 5]
     assert prompt_len.tolist() == [5, 5, 5, 9, 9, 2]
     model.config._attn_implementation = "flash_attention_2"  # takes no 4D mask
-    assert prefix._plan(model, batch, batch.routes) is None
+    assert prefix._plan(model, batch) is None
