@@ -94,6 +94,7 @@ def main() -> None:
             "mount_ns": iso.mount_namespace,
             "net_ns": iso.network_namespace,
             "pid_ns": iso.pid_namespace,
+            "ipc_ns": iso.ipc_namespace,
             "seccomp": iso.seccomp,
             "memory_cgroup": iso.memory_cgroup,
         },

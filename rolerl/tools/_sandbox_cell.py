@@ -18,8 +18,9 @@ import traceback
 import types
 
 import _sandbox_os as sos
+import _sandbox_seccomp as seccomp
 
-FD_CTL, FD_REQ, FD_KILL = 3, 4, 5
+FD_CTL, FD_REQ, FD_KILL = sos.FD_CTL, sos.FD_REQ, sos.FD_KILL
 
 
 def send(msg: dict) -> None:
@@ -36,24 +37,31 @@ def _drop_privileges(req: dict, cfg: dict, iso: dict) -> None:
         resource.RLIMIT_AS: (cfg["memory_mb"] * mb,) * 2,
         resource.RLIMIT_FSIZE: (cfg["file_size_mb"] * mb,) * 2,
         resource.RLIMIT_NOFILE: (cfg["open_files"],) * 2,
-        resource.RLIMIT_NPROC: (cfg["processes"],) * 2,  # counted per uid: ours is dedicated
+        resource.RLIMIT_NPROC: (cfg["processes"],) * 2,  # counted per uid (and user namespace)
         resource.RLIMIT_CORE: (0, 0),
     }
+    if not iso["ipcns"]:  # POSIX message queues would outlive the call on the host and cannot be listed
+        limits[resource.RLIMIT_MSGQUEUE] = (0, 0)  # without an mqueue mount: creating one fails (EMFILE)
     for res, lim in limits.items():
         resource.setrlimit(res, lim)
     with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's first choice, before any host process
         f.write("1000")
     uid = req["uid"]
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)  # after this no capability is left, so no hard limit can be raised
-    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid) or os.getgroups():
+    if cfg["privilege"] == "root":
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # after this no capability is left, so no hard limit can be raised
+    else:  # already the caller's uid, with capabilities in the worker's user namespace: drop them all
+        sos.drop_capabilities()
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid) or uid == 0:
         raise RuntimeError("could not drop privileges")
+    if cfg["privilege"] == "root" and os.getgroups():
+        raise RuntimeError("could not drop supplementary groups")
     sos.prctl(sos.PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo) cannot give root back
     sos.prctl(sos.PR_SET_DUMPABLE, 1)  # /proc/self stays ours (the uid change reset it to root)
     sos.prctl(sos.PR_SET_PDEATHSIG, signal.SIGKILL)
-    if sos.seccomp_supported():
-        sos.install_seccomp(deny_inet=not iso["netns"])
+    if seccomp.supported():
+        seccomp.install(deny_sockets=not iso["netns"] and cfg["network"] == "isolated")
         iso["seccomp"] = True
     else:
         iso["seccomp"] = False
@@ -95,7 +103,8 @@ def _read_line(buf: bytearray) -> bytes:
 
 def _serve(req: dict, cfg: dict, iso: dict, main: types.ModuleType) -> None:
     me, buf, cell = os.getpid(), bytearray(), 0
-    may_kill_all = iso["pidns"] or os.getuid() != 0  # kill(-1) then reaches only this sandbox
+    # kill(-1) then reaches only this sandbox (a dedicated uid, or a pid namespace of its own).
+    may_kill_all = iso["pidns"] or (cfg["privilege"] == "root" and os.getuid() != 0)
     while True:
         line = _read_line(buf)
         if not line:
@@ -108,16 +117,17 @@ def _serve(req: dict, cfg: dict, iso: dict, main: types.ModuleType) -> None:
             resource.setrlimit(resource.RLIMIT_CPU, (min(int(used) + cfg["cpu_s"], hard), hard))
         _set_stdin(msg.get("stdin", ""))
         name = f"<cell-{cell}>" if req["session"] else "<code>"
-        code = _run_cell(msg["code"], main.__dict__, name, cfg["echo_last_expr"])
+        # As a process reports it: sys.exit(-1) is 255, sys.exit(256) is 0, sys.exit(True) is 1.
+        code = int(_run_cell(msg["code"], main.__dict__, name, cfg["echo_last_expr"])) & 0xFF
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         if os.getpid() != me:  # a child the code forked fell through to here: it is not the cell
-            os._exit(code & 0xFF)
+            os._exit(code)
         if msg.get("last"):
             send({"done": code})
-            os._exit(code & 0xFF)
+            os._exit(code)
         if may_kill_all:  # session mode: a cell's background processes do not outlive the cell
             # (Not reaped here: the code may still wait() on its own children, e.g. Popen.poll.)
             with contextlib.suppress(ProcessLookupError):

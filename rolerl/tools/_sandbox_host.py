@@ -18,9 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from rolerl.tools._sandbox_channel import Capture, ControlChannel, ControlError, write_some
 from rolerl.tools.base import ToolResult
 
 WORKER_SCRIPT = Path(__file__).with_name("_sandbox_worker.py")
@@ -128,24 +128,12 @@ class Zygote:
             self.proc.wait()
 
 
-@dataclass
-class _Capture:
-    budget: int
-    data: bytearray = field(default_factory=bytearray)
-    total: int = 0
-
-    def add(self, chunk: bytes) -> None:
-        self.total += len(chunk)
-        room = self.budget - len(self.data)
-        if room > 0:
-            self.data += chunk[:room]
-
-    def text(self) -> str:
-        return self.data.decode("utf-8", errors="replace")
-
-
 class Worker:
-    """The host's handle on one worker tree: pipes in, pipes out, and the kill pipe."""
+    """The host's handle on one worker tree: pipes in, pipes out, and the kill pipe.
+
+    Every read and write here is non-blocking and bounded (see `_sandbox_channel`): the code on the far
+    side may flood or forge the control channel, or stall the loop that reads its requests.
+    """
 
     def __init__(self, zygote: Zygote, request: dict) -> None:
         self.uid, self.workdir = request["uid"], request["workdir"]
@@ -163,9 +151,9 @@ class Worker:
         finally:
             for fd in theirs:
                 os.close(fd)
-        for fd in (self._out_r, self._err_r, self._ctl_r):
+        for fd in (self._out_r, self._err_r, self._ctl_r, self._req_w):
             os.set_blocking(fd, False)
-        self._ctl_buf = b""
+        self.ctl = ControlChannel(self._ctl_r)
         self.closed = False  # our fds are closed: their numbers may belong to other files by now
         self.dead = False  # the interpreter exited or the tree was killed; no more calls
         self.isolation: dict = {}
@@ -176,120 +164,111 @@ class Worker:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def _read_ctl(self) -> tuple[list[dict], bool]:
-        """Messages that arrived on the control pipe, and whether it reached EOF (the whole tree is gone:
-        every process of it holds the pipe until it dies, the supervisor until the very end)."""
-        msgs, eof = [], False
-        while True:
-            try:
-                chunk = os.read(self._ctl_r, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                eof = True
-                break
-            self._ctl_buf += chunk
-        *lines, self._ctl_buf = self._ctl_buf.split(b"\n")
-        for line in lines:
-            with contextlib.suppress(ValueError):  # forged by the model's code: it only confuses its own call
-                msgs.append(json.loads(line))
-        return msgs, eof
-
     def alive(self) -> bool:
-        """False if the tree reported its interpreter's death (or vanished) since the last call."""
-        msgs, eof = self._read_ctl()
-        return not (eof or self.dead or any("exit" in m for m in msgs))
+        """False if the tree reported its interpreter's death (or vanished, or broke the protocol) since
+        the last call. EOF on the control pipe means the whole tree is gone: every process of it holds the
+        pipe until it dies, the supervisor until the very end."""
+        try:
+            msgs = self.ctl.read()
+        except ControlError:
+            self.dead = True
+        else:
+            self.dead = self.dead or self.ctl.eof or any("exit" in m for m in msgs)
+        return not self.dead
 
     def wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
+        self.ctl.new_budget()
         with selectors.DefaultSelector() as sel:
             sel.register(self._ctl_r, selectors.EVENT_READ)
             while time.monotonic() < deadline:
                 sel.select(deadline - time.monotonic())
-                msgs, eof = self._read_ctl()
+                try:  # no model code has run yet: a bad message here is a bug of ours
+                    msgs = self.ctl.read()
+                except ControlError as exc:
+                    raise SandboxError(f"sandbox worker sent a bad message during setup: {exc}") from None
                 for msg in msgs:
                     if "ready" in msg:
                         self.isolation = msg["ready"]
                         return self.isolation
                     if "error" in msg:
                         raise SandboxError(f"sandbox worker failed to start: {msg['error']}")
-                if eof:
+                    raise SandboxError(f"sandbox worker exited during setup ({msg})")
+                if self.ctl.eof:
                     raise SandboxError("sandbox worker exited during setup")
         raise SandboxError(f"sandbox worker not ready after {timeout_s} s")
 
     def call(self, code: str, stdin: str, timeout_s: float, budget: int, last: bool) -> ToolResult:
-        """Run one cell; on a timeout the caller must `kill()` this worker."""
-        payload = (json.dumps({"code": code, "stdin": stdin, "last": last}) + "\n").encode()
-        out, err = _Capture(budget), _Capture(budget)
+        """Run one cell; on a timeout or a violation (then `dead`) the caller must `kill()` this worker."""
+        pending = memoryview((json.dumps({"code": code, "stdin": stdin, "last": last}) + "\n").encode())
+        out, err = Capture(budget), Capture(budget)
         start = time.monotonic()
         deadline = start + timeout_s
         status: int | None = None
+        violation = ""
+        self.ctl.new_budget()
         with selectors.DefaultSelector() as sel:
-            for fd, cap in ((self._out_r, out), (self._err_r, err), (self._ctl_r, None)):
-                sel.register(fd, selectors.EVENT_READ, cap)
-            self._write_request(payload, deadline)
-            while status is None and not self.dead:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                for key, _ in sel.select(left):
-                    if key.data is None:
-                        status = self._on_ctl(sel)
-                    elif not self._pump(key.fd, key.data):
-                        sel.unregister(key.fd)
+            for fd, data in ((self._out_r, out), (self._err_r, err), (self._ctl_r, self.ctl)):
+                sel.register(fd, selectors.EVENT_READ, data)
+            sel.register(self._req_w, selectors.EVENT_WRITE, None)
+            try:
+                while status is None and not self.dead:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    for key, _ in sel.select(left):
+                        if key.data is None:
+                            pending = self._send(pending, sel)
+                        elif key.data is self.ctl:
+                            status = self._on_ctl(sel)
+                        elif not key.data.pump(key.fd):
+                            sel.unregister(key.fd)
+            except ControlError as exc:
+                violation, self.dead = str(exc), True
             wall = time.monotonic() - start
-            for key in list(sel.get_map().values()):  # whatever the interpreter wrote before it reported
-                if key.data is not None:
-                    self._pump(key.fd, key.data, drain=True)
+            for fd, cap in ((self._out_r, out), (self._err_r, err)):  # what it wrote before it reported
+                if fd in sel.get_map():
+                    cap.drain(fd)
         timed_out = status is None and not self.dead
-        if status is None:
-            status = -9  # killed: by our deadline, or the tree died without a word (SIGKILL from outside)
+        if pending:  # the interpreter never got its whole request: the stream is out of step now
+            self.dead = True
+        stderr = err.text()
+        if violation:
+            stderr += f"[sandbox] the code broke the sandbox's control channel ({violation}); its processes were killed\n"
         return ToolResult(
             stdout=out.text(),
-            stderr=err.text(),
-            exit_code=status,
+            stderr=stderr,
+            exit_code=-9 if status is None else status,  # killed: by us, or SIGKILL from outside
             timed_out=timed_out,
             truncated=out.total > budget or err.total > budget,
             wall_s=wall,
         )
 
-    def _write_request(self, payload: bytes, deadline: float) -> None:
-        # The interpreter is blocked reading this pipe, so a blocking write only waits for it to read.
+    def _send(self, pending: memoryview, sel: selectors.BaseSelector) -> memoryview:
         try:
-            view = memoryview(payload)
-            while view and time.monotonic() < deadline:
-                view = view[os.write(self._req_w, view) :]
-        except BrokenPipeError:
-            self.dead = True
+            pending = write_some(self._req_w, pending)
+        except BrokenPipeError:  # the interpreter is gone: its exit status comes on the control pipe
+            sel.unregister(self._req_w)
+            return pending
+        if not pending:
+            sel.unregister(self._req_w)
+        return pending
 
     def _on_ctl(self, sel: selectors.BaseSelector) -> int | None:
-        msgs, eof = self._read_ctl()
-        if eof:
+        msgs = self.ctl.read()
+        if self.ctl.eof:
             sel.unregister(self._ctl_r)
             self.dead = True
         status = None
         for msg in msgs:
             if "done" in msg:
-                status = int(msg["done"])
+                status = msg["done"]
             elif "exit" in msg:  # the interpreter itself died (os._exit, a signal): the worker is over
                 self.dead = True
-                status = int(msg["exit"]) if status is None else status
+                status = msg["exit"] if status is None else status
+            else:
+                raise ControlError("a setup message during a call")
         return status
-
-    @staticmethod
-    def _pump(fd: int, cap: _Capture, drain: bool = False) -> bool:
-        """Read what is there; False at EOF. Past the budget, output is read and dropped, so the program is
-        never blocked on a full pipe (it finishes, or meets its deadline)."""
-        while True:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return True
-            if not chunk:
-                return False
-            cap.add(chunk)
-            if not drain:
-                return True
 
     def kill(self, grace_s: float = 10.0) -> bool:
         """Tear the tree down; True once the supervisor confirmed that no process of it is left."""
@@ -298,12 +277,12 @@ class Worker:
         with contextlib.suppress(OSError):
             os.write(self._kill_w, b"k")
         deadline = time.monotonic() + grace_s
-        eof = False
         with selectors.DefaultSelector() as sel:
             sel.register(self._ctl_r, selectors.EVENT_READ)
-            while not eof and time.monotonic() < deadline:
+            while not self.ctl.eof and time.monotonic() < deadline:
                 sel.select(deadline - time.monotonic())
-                eof = self._read_ctl()[1]
+                self.ctl.discard_until_eof()  # one chunk per wakeup: a flood ends with its writer
+        eof = self.ctl.eof
         self.dead = True
         self._close_fds()
         if not eof:

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
+# File descriptors of every process of a worker tree (the host's `Worker` hands them over in this order):
+# 0 /dev/null (or the call's stdin), 1/2 stdout/stderr pipes, then these.
+FD_CTL = 3  # JSON lines to the host (the code can write here too: the host validates every line)
+FD_REQ = 4  # JSON lines from the host: one request per call (interpreter only)
+FD_KILL = 5  # a byte (or EOF) from the host tears the tree down (supervisor only)
+
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-# Every namespace flag: a sandboxed clone()/unshare() with any of these is refused (see seccomp below).
-_CLONE_NS_MASK = (
-    0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x00020000 | 0x00000080
-)
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = (
     0x1,
@@ -57,6 +60,60 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(flags), "unshare")
 
 
+def enter_user_namespace(uid: int, gid: int) -> None:
+    """A new user namespace mapping just our own uid and gid to themselves (all an unprivileged process
+    may map), as bubblewrap does: we keep our ids and gain capabilities over namespaces created from now
+    on, which the interpreter drops again (`drop_capabilities`)."""
+    unshare(CLONE_NEWUSER)
+    for name, text in (
+        ("uid_map", f"{uid} {uid} 1\n"),
+        ("setgroups", "deny"),
+        ("gid_map", f"{gid} {gid} 1\n"),
+    ):
+        with open(f"/proc/self/{name}", "w") as f:  # setgroups must be denied before an unprivileged gid_map
+            f.write(text)
+
+
+_CAP_VERSION_3 = 0x20080522
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+
+
+def drop_capabilities() -> None:
+    """Empty every capability set. Needed where the uid stays the same (a user namespace): a uid change
+    from 0 clears them by itself, this does not."""
+    for cap in range(64):  # the bounding set: no file capability can give any back
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
+            break  # EINVAL: past the last capability this kernel knows
+    _check(_libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities")
+    header = ctypes.create_string_buffer(struct.pack("Ii", _CAP_VERSION_3, 0))
+    data = ctypes.create_string_buffer(bytes(24))  # effective, permitted, inheritable; two 32-bit halves
+    _check(_libc.capset(header, data), "capset")
+
+
+_IPC_RMID = 0
+
+
+def remove_sysv_ipc(uid: int) -> None:
+    """Remove the SysV shared memory segments, message queues and semaphore sets that `uid` created or
+    owns (the owner can be changed with IPC_SET, the creator cannot). Run as that uid, which may remove
+    exactly those; used where there is no IPC namespace to take them away."""
+    removers = {
+        "shm": lambda i: _libc.shmctl(i, _IPC_RMID, None),
+        "msg": lambda i: _libc.msgctl(i, _IPC_RMID, None),
+        "sem": lambda i: _libc.semctl(i, 0, _IPC_RMID),
+    }
+    for kind, remove in removers.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                head, *rows = [line.split() for line in f]
+        except (OSError, ValueError):
+            continue
+        at_id, at_uid, at_cuid = 1, head.index("uid"), head.index("cuid")
+        for row in rows:
+            if uid in (int(row[at_uid]), int(row[at_cuid])):
+                remove(int(row[at_id]))
+
+
 def prctl(option: int, arg: int = 0) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
 
@@ -77,129 +134,6 @@ def make_tree_readonly_private() -> None:
     """
     attr = ctypes.create_string_buffer(struct.pack("QQQQ", _MOUNT_ATTR_RDONLY, 0, _MS_PRIVATE, 0))
     _check(_libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, attr, 32), "mount_setattr /")
-
-
-# --- seccomp ------------------------------------------------------------------------------------------
-# A small classic-BPF filter. Its jobs, in order:
-#  1. kill any syscall made through a foreign ABI (i386 `int 0x80` on x86_64 would reach `socketcall`,
-#     which the table below does not cover) and refuse x32 numbers;
-#  2. refuse new namespaces (unshare, setns, clone with CLONE_NEW*, clone3): an unprivileged user
-#     namespace would give the sandbox CAP_SYS_ADMIN over its own mounts (size-unlimited tmpfs, i.e.
-#     memory outside RLIMIT_AS); clone3 gets ENOSYS because BPF cannot read its flags, and glibc then
-#     falls back to clone;
-#  3. refuse io_uring (its SOCKET/CONNECT opcodes never pass through this filter), bpf, perf_event_open,
-#     userfaultfd and the keyring (shared per uid, i.e. across calls);
-#  4. when the network namespace is unavailable, refuse socket() for every family but AF_UNIX.
-_ARCHES = {
-    # machine: (AUDIT_ARCH_*, syscall numbers, x32 bit or 0)
-    "x86_64": (
-        0xC000003E,
-        {
-            "socket": 41,
-            "clone": 56,
-            "unshare": 272,
-            "setns": 308,
-            "clone3": 435,
-            "io_uring_setup": 425,
-            "io_uring_enter": 426,
-            "io_uring_register": 427,
-            "bpf": 321,
-            "perf_event_open": 298,
-            "userfaultfd": 323,
-            "keyctl": 250,
-            "add_key": 248,
-            "request_key": 249,
-        },
-        0x40000000,
-    ),
-    "aarch64": (  # the asm-generic table; not exercised by our CI (x86_64)
-        0xC00000B7,
-        {
-            "socket": 198,
-            "clone": 220,
-            "unshare": 97,
-            "setns": 268,
-            "clone3": 435,
-            "io_uring_setup": 425,
-            "io_uring_enter": 426,
-            "io_uring_register": 427,
-            "bpf": 280,
-            "perf_event_open": 241,
-            "userfaultfd": 282,
-            "keyctl": 219,
-            "add_key": 217,
-            "request_key": 218,
-        },
-        0,
-    ),
-}
-_LD_W_ABS, _JEQ_K, _JGE_K, _AND_K, _RET_K = 0x20, 0x15, 0x35, 0x54, 0x06
-_RET_ALLOW, _RET_KILL_PROCESS = 0x7FFF0000, 0x80000000
-_EPERM, _EACCES, _ENOSYS, _AF_UNIX = 1, 13, 38, 1
-
-
-def _ret_errno(err: int) -> int:
-    return 0x00050000 | err
-
-
-def seccomp_supported() -> bool:
-    return platform.machine() in _ARCHES
-
-
-def install_seccomp(deny_inet: bool) -> None:
-    """Install the filter above on this process and its future children (needs no_new_privs first)."""
-    arch, nr, x32 = _ARCHES[platform.machine()]
-    # (code, jt, jf, k). Jumps are relative: jf=n skips the next n instructions. Each block returns or
-    # falls through to the next with the syscall number still in the accumulator.
-    prog: list[tuple[int, int, int, int]] = []
-
-    def ins(code: int, k: int, jt: int = 0, jf: int = 0) -> None:
-        prog.append((code, jt, jf, k))
-
-    ins(_LD_W_ABS, 4)  # seccomp_data.arch
-    ins(_JEQ_K, arch, 1, 0)
-    ins(_RET_K, _RET_KILL_PROCESS)
-    ins(_LD_W_ABS, 0)  # seccomp_data.nr
-    if x32:
-        ins(_JGE_K, x32, 0, 1)
-        ins(_RET_K, _ret_errno(_EPERM))
-    refused = [
-        "unshare",
-        "setns",
-        "io_uring_setup",
-        "io_uring_enter",
-        "io_uring_register",
-        "bpf",
-        "perf_event_open",
-        "userfaultfd",
-        "keyctl",
-        "add_key",
-        "request_key",
-    ]
-    for name in refused:
-        ins(_JEQ_K, nr[name], 0, 1)
-        ins(_RET_K, _ret_errno(_EPERM))
-    ins(_JEQ_K, nr["clone3"], 0, 1)
-    ins(_RET_K, _ret_errno(_ENOSYS))
-    # clone: load the low 32 bits of args[0] (flags; little-endian), refuse any namespace flag.
-    ins(_JEQ_K, nr["clone"], 0, 5)
-    ins(_LD_W_ABS, 16)
-    ins(_AND_K, _CLONE_NS_MASK)
-    ins(_JEQ_K, 0, 0, 1)
-    ins(_RET_K, _RET_ALLOW)
-    ins(_RET_K, _ret_errno(_EPERM))
-    if deny_inet:
-        ins(_JEQ_K, nr["socket"], 0, 4)
-        ins(_LD_W_ABS, 16)  # socket(domain, ...): args[0]
-        ins(_JEQ_K, _AF_UNIX, 0, 1)
-        ins(_RET_K, _RET_ALLOW)
-        ins(_RET_K, _ret_errno(_EACCES))
-    ins(_RET_K, _RET_ALLOW)
-    raw = b"".join(struct.pack("HBBI", code, jt, jf, k) for code, jt, jf, k in prog)
-    filt = ctypes.create_string_buffer(raw)
-    fprog = struct.pack("HxxxxxxP", len(prog), ctypes.addressof(filt))
-    fprog_buf = ctypes.create_string_buffer(fprog)
-    _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog_buf, 0, 0), "seccomp")
 
 
 # --- memory cgroup ------------------------------------------------------------------------------------

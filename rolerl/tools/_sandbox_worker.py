@@ -4,7 +4,7 @@ Process tree of one worker (one call, or one session of calls):
 
     zygote (root, long-lived; forks a clean copy of itself per worker, so a worker costs a fork, not an
      |      interpreter start, and preloaded modules come for free)
-     +- supervisor (root, host pid namespace; new mount/net/pid namespaces; the host's only handle on the
+     +- supervisor (root, host pid namespace; new mount/net/pid/ipc namespaces; the host's only handle on the
          |          tree: a byte on fd 5 (or the host dying) tears everything down, then it exits)
          +- init (root, pid 1 of the new pid namespace; reaps orphans; when it exits the kernel kills
              |    every process of the namespace, setsid daemons included)
@@ -32,10 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Sibling files, not the rolerl package: this runs as a script, in processes that must stay small.
 import _sandbox_cell as cell  # noqa: E402
 import _sandbox_os as sos  # noqa: E402
+import _sandbox_seccomp as seccomp  # noqa: E402
 
 sys.path.pop(0)
 
-FD_CTL, FD_REQ, FD_KILL = cell.FD_CTL, cell.FD_REQ, cell.FD_KILL
+FD_CTL, FD_REQ, FD_KILL = sos.FD_CTL, sos.FD_REQ, sos.FD_KILL
 # Imported once in the zygote: every call gets them for free (a fork shares them), and they keep working
 # where the interpreter's files are not readable by the sandbox uid and no mount namespace can fix that.
 STDLIB_PRELOAD = (
@@ -107,10 +108,21 @@ def _install_fds(fds: list[int]) -> None:
     os.closerange(FD_KILL + 1, 1 << 20)
 
 
+_NS_FLAGS = {
+    "mount": sos.CLONE_NEWNS,
+    "net": sos.CLONE_NEWNET,
+    "pid": sos.CLONE_NEWPID,
+    "ipc": sos.CLONE_NEWIPC,
+}
+
+
 def _isolate(req: dict, cfg: dict, notes: list[str]) -> dict:
     """Enter the namespaces the config asks for and the kernel allows; return what holds."""
-    iso = {"mountns": False, "netns": False, "pidns": False, "notes": notes}
-    for name, flag in (("mount", sos.CLONE_NEWNS), ("net", sos.CLONE_NEWNET), ("pid", sos.CLONE_NEWPID)):
+    iso = {"mountns": False, "netns": False, "pidns": False, "ipcns": False, "userns": False, "notes": notes}
+    if cfg["privilege"] == "unprivileged":  # the others are then created from (and owned by) this one
+        sos.enter_user_namespace(os.getuid(), os.getgid())  # refused: the host reports how to enable it
+        iso["userns"] = True
+    for name, flag in _NS_FLAGS.items():
         if name not in cfg["namespaces"]:
             continue
         try:
@@ -118,6 +130,11 @@ def _isolate(req: dict, cfg: dict, notes: list[str]) -> dict:
             iso[name + "ns"] = True
         except OSError as exc:
             iso["notes"].append(f"{name} namespace unavailable ({exc.strerror})")
+    if not iso["ipcns"]:
+        iso["notes"].append(
+            "no IPC namespace: the uid's SysV IPC objects are removed after each worker; "
+            "POSIX message queues cannot be created (RLIMIT_MSGQUEUE 0)"
+        )
     if iso["mountns"]:
         try:
             sos.make_tree_readonly_private()
@@ -129,11 +146,12 @@ def _isolate(req: dict, cfg: dict, notes: list[str]) -> dict:
         uid = req["uid"]
         opts = f"size={cfg['disk_mb']}m,nr_inodes=16384,mode=0700,uid={uid},gid={uid}"
         sos.mount("tmpfs", req["workdir"], "tmpfs", sos.MS_NOSUID | sos.MS_NODEV, opts)
-        _expose(_interpreter_paths())
-        for path in cfg["hidden_paths"]:
+        home = _home_to_hide(req, cfg)
+        covered = _expose(_interpreter_paths(), {home} if home else set())
+        for path in cfg["hidden_paths"] + ([home] if home and home not in covered else []):
             if os.path.isdir(path):
                 sos.mount("tmpfs", path, "tmpfs", sos.MS_RDONLY | sos.MS_NOSUID | sos.MS_NODEV, "size=4k")
-    if cfg["network"] == "isolated" and not iso["netns"] and not sos.seccomp_supported():
+    if cfg["network"] == "isolated" and not iso["netns"] and not seccomp.supported():
         raise RuntimeError("no network namespace and no seccomp filter for this architecture")
     return iso
 
@@ -154,16 +172,30 @@ def _interpreter_paths() -> list[str]:
     return sorted(dirs)
 
 
-def _expose(paths: list[str]) -> None:
+def _home_to_hide(req: dict, cfg: dict) -> str:
+    """Unprivileged mode: the caller's home dir, which the code (running as the caller) could read."""
+    if cfg["privilege"] != "unprivileged":
+        return ""
+    import pwd
+
+    try:
+        home = os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return ""
+    inside = (req["workdir"] + "/").startswith(home + "/")  # never hide the working dir
+    return home if home != "/" and os.path.isdir(home) and not inside else ""
+
+
+def _expose(paths: list[str], closed: set[str]) -> set[str]:
     """Let the sandbox uid reach the interpreter's own files where a parent dir is closed to it (pyenv
-    under /root, mode 0700): cover the outermost closed dir with an empty read-only tmpfs and bind-mount
-    just the needed dirs back into it, so everything else in it stays out of sight."""
+    under /root, mode 0700; or a dir in `closed`): cover the outermost closed dir with an empty read-only
+    tmpfs and bind-mount just the needed dirs back into it, so everything else in it stays out of sight."""
     blocked: dict[str, list[str]] = {}
     for path in paths:
         parts = path.split("/")
         for i in range(2, len(parts)):
             ancestor = "/".join(parts[:i])
-            if not os.stat(ancestor).st_mode & 0o001:  # no search permission for "others"
+            if ancestor in closed or not os.stat(ancestor).st_mode & 0o001:  # no search for "others"
                 blocked.setdefault(ancestor, []).append(path)
                 break
     os.umask(0o022)
@@ -176,6 +208,7 @@ def _expose(paths: list[str]) -> None:
             os.close(fd)
         flags = sos.MS_REMOUNT | sos.MS_BIND | sos.MS_RDONLY | sos.MS_NOSUID | sos.MS_NODEV
         sos.mount("none", ancestor, "none", flags)
+    return set(blocked)
 
 
 def _mount_proc() -> None:
@@ -259,8 +292,15 @@ def _teardown(pidfd: int, req: dict, iso: dict) -> None:
             os.waitpid(-1, 0)
         except ChildProcessError:
             break
+    if not (iso["mountns"] and iso["ipcns"]):
+        _as_uid(req["uid"], lambda uid: _sweep(uid, iso))
+
+
+def _sweep(uid: int, iso: dict) -> None:
     if not iso["mountns"]:  # without a read-only mount tree the world-writable dirs were writable
-        _as_uid(req["uid"], _sweep_owned)
+        _sweep_owned(uid)
+    if not iso["ipcns"]:  # without an IPC namespace its SysV objects would outlive the call
+        sos.remove_sysv_ipc(uid)
 
 
 def _as_uid(uid: int, fn: Callable[[int], None]) -> None:
@@ -270,9 +310,10 @@ def _as_uid(uid: int, fn: Callable[[int], None]) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
+            if os.getresuid() != (uid, uid, uid):  # root mode (unprivileged: we are that uid already)
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
             if os.getresuid() == (uid, uid, uid) and uid != 0:
                 fn(uid)
         finally:

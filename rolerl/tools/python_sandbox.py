@@ -1,6 +1,7 @@
 """Run model-written Python safely: one fresh process per call, as a dedicated unprivileged uid, with
 rlimits, a wall-clock timeout that kills the whole process tree, a scrubbed environment, a private
-working directory, and no network. See docs/SANDBOX.md for what holds where.
+working directory, and no network. See docs/SANDBOX.md for what holds where. Without root, construction
+fails (SandboxError) unless `SandboxConfig(privilege="unprivileged")` chooses the weaker mode.
 
     sandbox = PythonSandbox(SandboxConfig(timeout_s=5))
     sandbox.run("print(1 + 1)").stdout            # '2\\n'
@@ -22,93 +23,22 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
+from rolerl.tools._sandbox_config import Isolation, SandboxConfig
 from rolerl.tools._sandbox_host import SandboxError, UidLeases, Worker, Zygote
 from rolerl.tools.base import ToolResult
 
 __all__ = ["Isolation", "PythonSandbox", "SandboxConfig", "SandboxError", "SandboxSession"]
 
-_NAMESPACES = ("mount", "net", "pid")
-
-
-@dataclass
-class SandboxConfig:
-    timeout_s: float = 10.0  # wall clock per call, from the moment the code reaches the interpreter
-    cpu_s: int = 10  # RLIMIT_CPU per process and call: SIGXCPU at this, SIGKILL one second later
-    session_cpu_s: int = 300  # RLIMIT_CPU hard limit of a whole session (a session is one process)
-    memory_mb: int = 1024  # RLIMIT_AS per process (address space, so a bit above what is touched)
-    tree_memory_mb: int = 2048  # memory cgroup limit of a worker's whole process tree (where allowed); 0: off
-    file_size_mb: int = 16  # RLIMIT_FSIZE: largest file the code can write
-    disk_mb: int = 64  # size of the working dir's tmpfs (with a mount namespace; else the host disk)
-    open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 32  # RLIMIT_NPROC of the call's dedicated uid (processes and threads)
-    max_output_bytes: int = 64 * 1024  # per stream; the head is kept, the rest read and dropped
-    pool_size: int = 2  # idle workers kept forked and set up, so a call does not wait for one
-    max_workers: int = 64  # live workers (idle + busy + sessions) at once; further calls wait
-    uid_base: int = 60000  # dedicated uids uid_base .. uid_base + uid_count - 1 (no account may use them)
-    uid_count: int = 1000  # shared by every sandbox on the machine through lock files
-    namespaces: tuple[str, ...] = _NAMESPACES  # which of mount/net/pid to use where the kernel allows
-    strict: bool = False  # True: refuse to run unless every namespace above is available
-    network: Literal["isolated", "allow"] = "isolated"  # allow: no net namespace, no socket filter
-    hidden_paths: tuple[str, ...] = ()  # dirs replaced by an empty read-only dir (mount namespace only)
-    preload: tuple[str, ...] = ()  # modules imported once in the zygote (thread-free ones only)
-    echo_last_expr: bool = False  # print repr() of a trailing expression, like a notebook cell
-    python: str = ""  # interpreter for the sandbox; "" = this one (sys.executable)
-    env: dict[str, str] = field(default_factory=dict)  # extra variables (the parent's are never passed)
-    lock_dir: str = ""  # where the uid lock files live; "" = <tempdir>/rolerl-sandbox-uids
-
-    def __post_init__(self) -> None:
-        for name in (
-            "timeout_s",
-            "cpu_s",
-            "memory_mb",
-            "file_size_mb",
-            "disk_mb",
-            "open_files",
-            "processes",
-            "max_output_bytes",
-            "max_workers",
-            "uid_count",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if not 0 <= self.pool_size <= self.max_workers:
-            raise ValueError(f"SandboxConfig.pool_size must be in [0, max_workers], got {self.pool_size}")
-        if self.tree_memory_mb < 0:
-            raise ValueError(f"SandboxConfig.tree_memory_mb must be >= 0 (0: off), got {self.tree_memory_mb}")
-        if self.session_cpu_s < self.cpu_s:
-            raise ValueError("SandboxConfig.session_cpu_s must be >= cpu_s")
-        if self.uid_base < 1000:
-            raise ValueError(
-                f"SandboxConfig.uid_base must be >= 1000 (a dedicated range), got {self.uid_base}"
-            )
-        if bad := set(self.namespaces) - set(_NAMESPACES):
-            raise ValueError(f"SandboxConfig.namespaces: unknown {sorted(bad)}; allowed: {_NAMESPACES}")
-        if self.network not in ("isolated", "allow"):
-            raise ValueError(f"SandboxConfig.network must be 'isolated' or 'allow', got {self.network!r}")
-        if self.open_files < 16:
-            raise ValueError("SandboxConfig.open_files must be >= 16 (the interpreter itself needs some)")
-
-
-@dataclass(frozen=True)
-class Isolation:
-    """What actually holds for this sandbox on this kernel (reported by its first worker)."""
-
-    uid: int
-    gid: int
-    mount_namespace: bool  # read-only filesystem except a private tmpfs working dir; fresh /proc
-    network_namespace: bool  # no interfaces at all, not even loopback
-    pid_namespace: bool  # the sandbox sees only itself; killing its init kills everything in it
-    seccomp: bool  # no new namespaces, io_uring, bpf, keyrings; no AF_INET sockets without a net namespace
-    memory_cgroup: bool  # tree_memory_mb bounds the whole process tree, not just each process
-    notes: tuple[str, ...]
-
-    @property
-    def kill_method(self) -> str:
-        return "pid namespace" if self.pid_namespace else "kill(-1) as the dedicated uid"
+_UNPRIVILEGED_WARNING = (
+    "python sandbox in unprivileged mode (SandboxConfig.privilege='unprivileged'): the code runs as your "
+    "own uid {uid} in user, mount, pid and IPC namespaces, not as a dedicated uid. It can read every file "
+    "your user can read outside your home directory (add hidden_paths for more), the memory cgroup is "
+    "usually missing (memory is bounded per process), and a kernel bug in user namespaces is reachable. "
+    "Run as root for the full sandbox; see docs/SANDBOX.md."
+)
 
 
 class PythonSandbox:
@@ -118,7 +48,10 @@ class PythonSandbox:
     description = "Runs a Python 3 program in a fresh sandboxed process and returns what it printed."
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
+        """Checks what the sandbox needs before anything runs, so that a run that cannot use it fails at
+        start (SandboxError, saying what to do) instead of passing an error to the model as tool output."""
         self.config = config or SandboxConfig()
+        _check_preconditions(self.config)
         self._lock = threading.Condition()
         self._idle: list[Worker] = []
         self._live = 0  # workers holding a uid (idle, busy, sessions)
@@ -130,6 +63,17 @@ class PythonSandbox:
         self._counter = 0
         self._refiller: threading.Thread | None = None
         self._finalizer: weakref.finalize | None = None
+        if self.config.privilege == "unprivileged":
+            try:  # starting a worker is the only sure test that this kernel allows user namespaces
+                self.isolation  # noqa: B018
+            except SandboxError as exc:
+                self.close()
+                raise SandboxError(
+                    f"SandboxConfig(privilege='unprivileged') cannot start here ({exc}). It needs "
+                    "unprivileged user namespaces: sysctl user.max_user_namespaces > 0, "
+                    "kernel.unprivileged_userns_clone=1 (Debian), kernel.apparmor_restrict_unprivileged_userns=0 "
+                    "(Ubuntu >= 23.10), and a container seccomp profile that allows unshare. Or run as root."
+                ) from None
 
     # --- public API -----------------------------------------------------------------------------------
     def run(self, args: str, *, stdin: str = "", timeout_s: float | None = None) -> ToolResult:
@@ -189,19 +133,13 @@ class PythonSandbox:
                 raise SandboxError("sandbox is closed")
             if self._zygote is not None and self._zygote.alive():
                 return
-            if os.geteuid() != 0:
-                raise SandboxError(
-                    "PythonSandbox must run as root: it drops each call to a dedicated unprivileged uid "
-                    "(root would ignore RLIMIT_NPROC and could raise its own limits)"
-                )
-            if not shutil.rmtree.avoids_symlink_attacks:  # see _retire
-                raise SandboxError("shutil.rmtree cannot avoid symlink attacks on this platform")
             cfg = self.config
             if self._base is None:
                 self._base = Path(tempfile.mkdtemp(prefix="rolerl-sandbox-"))
                 self._base.chmod(0o711)  # workers may traverse to their own dir, not list the others
-                lock_dir = Path(cfg.lock_dir or Path(tempfile.gettempdir()) / "rolerl-sandbox-uids")
-                self._uids = UidLeases(cfg.uid_base, cfg.uid_count, lock_dir)
+                if cfg.privilege == "root":  # unprivileged: every worker runs as the caller's own uid
+                    lock_dir = Path(cfg.lock_dir or Path(tempfile.gettempdir()) / "rolerl-sandbox-uids")
+                    self._uids = UidLeases(cfg.uid_base, cfg.uid_count, lock_dir)
             python = cfg.python or sys.executable
             env = {
                 "PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin",
@@ -250,8 +188,8 @@ class PythonSandbox:
         """Fork a worker (a slot is already reserved) and wait until its interpreter is set up."""
         try:
             self._start()
-            assert self._uids is not None and self._base is not None and self._zygote is not None
-            uid = self._uids.acquire()
+            assert self._base is not None and self._zygote is not None
+            uid = self._uids.acquire() if self._uids is not None else os.getuid()
         except BaseException:
             self._unreserve()
             raise
@@ -261,14 +199,15 @@ class PythonSandbox:
         worker = None
         try:
             workdir.mkdir(mode=0o700)
-            os.chown(workdir, uid, uid)
+            if self._uids is not None:
+                os.chown(workdir, uid, uid)
             worker = Worker(self._zygote, {"uid": uid, "workdir": str(workdir), "session": session})
             self._check_isolation(worker.wait_ready(timeout_s=30.0))
             return worker
         except BaseException:
             clean = worker.kill() if worker is not None else True
             shutil.rmtree(workdir, ignore_errors=True)
-            if clean:
+            if clean and self._uids is not None:
                 self._uids.release(uid)
             self._unreserve()
             raise
@@ -276,22 +215,17 @@ class PythonSandbox:
     def _check_isolation(self, iso: dict) -> None:
         if self._isolation is not None:
             return
-        isolation = Isolation(
-            uid=iso["uid"],
-            gid=iso["gid"],
-            mount_namespace=iso["mountns"],
-            network_namespace=iso["netns"],
-            pid_namespace=iso["pidns"],
-            seccomp=iso["seccomp"],
-            memory_cgroup=iso["memory_cgroup"],
-            notes=tuple(iso["notes"]),
-        )
-        missing = [n for n in self.config.namespaces if not iso[f"{n}ns"]]
-        if missing and self.config.strict:
+        cfg = self.config
+        isolation = Isolation.from_report(iso, cfg.privilege)
+        missing = [n for n in cfg.namespaces if not iso[f"{n}ns"]]
+        if missing and (cfg.strict or cfg.privilege == "unprivileged"):
             raise SandboxError(
-                f"strict sandbox: {missing} namespaces unavailable: {'; '.join(isolation.notes)}"
+                f"{'strict' if cfg.strict else 'unprivileged'} sandbox: {missing} namespaces unavailable: "
+                + "; ".join(isolation.notes)
             )
-        if missing:
+        if cfg.privilege == "unprivileged":
+            warnings.warn(_UNPRIVILEGED_WARNING.format(uid=isolation.uid), RuntimeWarning, stacklevel=2)
+        elif missing:
             warnings.warn(
                 f"python sandbox runs without {missing} namespaces: {'; '.join(isolation.notes)}",
                 RuntimeWarning,
@@ -409,6 +343,29 @@ class SandboxSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_preconditions(cfg: SandboxConfig) -> None:
+    """What the chosen mode needs from this process; each error says what to do instead."""
+    if not shutil.rmtree.avoids_symlink_attacks:  # see PythonSandbox._retire
+        raise SandboxError("shutil.rmtree cannot avoid symlink attacks on this platform")
+    euid = os.geteuid()
+    if cfg.privilege == "root" and euid != 0:
+        raise SandboxError(
+            f"the python sandbox needs root (this process runs as uid {euid}): it runs each call as a "
+            "dedicated unprivileged uid, and only root can switch to one. Run as root (e.g. in a container, "
+            "as its root user), or choose the weaker mode that runs the code as your own user inside user "
+            "namespaces: SandboxConfig(privilege='unprivileged'), or ROLERL_SANDBOX_PRIVILEGE=unprivileged "
+            "for the rolerl commands (docs/SANDBOX.md says what that mode does not guarantee)"
+        )
+    if cfg.privilege == "unprivileged" and euid == 0:
+        raise SandboxError(
+            "SandboxConfig(privilege='unprivileged') runs the code as the calling user, which is root "
+            "here: use the default privilege='root' (a dedicated uid per call)"
+        )
+    python = cfg.python or sys.executable
+    if not os.access(python, os.X_OK):
+        raise SandboxError(f"SandboxConfig.python: {python!r} is not an executable interpreter")
 
 
 def _refill_loop(ref: weakref.ref[PythonSandbox]) -> None:

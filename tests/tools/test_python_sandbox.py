@@ -17,36 +17,18 @@ import subprocess
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rolerl.tools import PythonSandbox, SandboxConfig, Tool, ToolResult
+from tests.tools.helpers import make_sandbox
 
 if os.geteuid() != 0:  # the sandbox drops root to a dedicated uid and refuses to start without root
     pytest.skip("the Python sandbox needs root (CI runs as root)", allow_module_level=True)
 
-BUDGET = 64 * 1024
-
-
-def make_sandbox(mode: str, uid_base: int, **overrides: object) -> PythonSandbox:
-    cfg = SandboxConfig(
-        timeout_s=5.0,
-        memory_mb=512,
-        processes=16,
-        uid_base=uid_base,
-        uid_count=50,
-        max_output_bytes=BUDGET,
-        namespaces=("mount", "net", "pid") if mode == "full" else (),
-        **overrides,
-    )
-    sb = PythonSandbox(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # "runs without namespaces": intended in fallback
-        sb.isolation  # noqa: B018 - start now, not inside the first test's timing
-    return sb
+BUDGET = SandboxConfig().max_output_bytes  # make_sandbox keeps the default output budget
 
 
 @pytest.fixture(scope="module")
