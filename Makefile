@@ -1,4 +1,6 @@
 # Two set-up commands: `make demo` and `make test`. Both create .venv if it is missing.
+# `make test` skips the `slow` tests (the real default model, tests over ~10 s); `make test-all` runs all.
+# ROLERL_TEST_THREADS (default 2) sets torch's thread count for the tests (tests/conftest.py).
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -6,7 +8,7 @@ BIN     := $(VENV)/bin
 # while a bare `torch` would pull a multi-GB CUDA build. GPU users install their own torch first.
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test lint format bench install install-test clean
+.PHONY: demo test test-all lint format bench install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,7 +28,10 @@ demo: install
 	$(BIN)/rolerl demo
 
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10
+
+test-all: install-test
+	$(BIN)/python -m pytest -q --durations=10
 
 lint: install-test
 	$(BIN)/ruff check rolerl tests benchmarks

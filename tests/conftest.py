@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from rolerl.models.tiny import ARCHS, default_tokenizer, tiny_model
 
-torch.set_num_threads(2)
+
+def _test_threads() -> int:
+    """The thread count changes how CPU kernels split their sums, so it is a knob, not a constant: CI runs
+    the suite with 1 and 2 so a test that relies on one reduction order fails here, not on another CPU.
+    On a machine busy with other work use 1: two threads on two busy cores wait for each other at every
+    op, and the tiny-model tests (thousands of small ops) then run 5-50x slower."""
+    raw = os.environ.get("ROLERL_TEST_THREADS", "2")
+    if not raw.isdigit() or int(raw) < 1:
+        raise pytest.UsageError(f"ROLERL_TEST_THREADS must be a positive integer; got {raw!r}")
+    return int(raw)
+
+
+torch.set_num_threads(_test_threads())
+
+
+def pytest_report_header(config) -> str:
+    threads, cap = torch.get_num_threads(), torch.backends.cpu.get_cpu_capability()
+    return f"rolerl: torch {torch.__version__}, {threads} threads (ROLERL_TEST_THREADS), CPU {cap}"
 
 
 @pytest.fixture(scope="session")

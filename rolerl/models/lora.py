@@ -56,6 +56,7 @@ class RouteState:
         self._used: list[int] | None = None
         self._uniform = False
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self.saved: list[tuple | None] = []  # snapshots taken by the forward hooks, restored after the call
 
     @property
     def names(self) -> list[str]:
@@ -345,7 +346,7 @@ def add_adapters(
     if state is None:
         state = RouteState({})
         model._rolerl_route_state = state
-        _install_forward_hooks(model, state)
+        _install_forward_hooks(model)
     for n in names:
         if n in state.adapters or not n or not n.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"adapter name {n!r} is taken or invalid; existing: {state.names}")
@@ -381,26 +382,32 @@ def _wrap(model: nn.Module, path: str, state: RouteState) -> RoutedLoRALinear:
     return wrapped
 
 
-def _install_forward_hooks(model: nn.Module, state: RouteState) -> None:
-    """`model(input_ids, routes=...)` sets the route for that one call and restores the previous one."""
-    saved: list[tuple | None] = []
+def _install_forward_hooks(model: nn.Module) -> None:
+    """`model(input_ids, routes=...)` sets the route for that one call and restores the previous one.
 
-    def pre(module, args, kwargs):
-        if "routes" not in kwargs:
-            saved.append(None)
-            return None
-        saved.append(state.snapshot())
-        state.set(kwargs.pop("routes"))
-        return args, kwargs
+    The hooks are module-level functions that find the state through the module they are called on, not
+    a closure over it: `copy.deepcopy(model)` copies the hook dict but not the functions in it, so a
+    closure would make the copy's `routes=` set the original's state (and pickling would fail)."""
+    model.register_forward_pre_hook(_set_routes_hook, with_kwargs=True)
+    model.register_forward_hook(_restore_routes_hook, with_kwargs=True, always_call=True)
 
-    def post(module, args, kwargs, output):
-        previous = saved.pop() if saved else None
-        if previous is not None:
-            state.restore(previous)
-        return output
 
-    model.register_forward_pre_hook(pre, with_kwargs=True)
-    model.register_forward_hook(post, with_kwargs=True, always_call=True)
+def _set_routes_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    state = _state(module)
+    if "routes" not in kwargs:
+        state.saved.append(None)
+        return None
+    state.saved.append(state.snapshot())
+    state.set(kwargs.pop("routes"))
+    return args, kwargs
+
+
+def _restore_routes_hook(module: nn.Module, args: tuple, kwargs: dict, output):
+    state = _state(module)
+    previous = state.saved.pop() if state.saved else None
+    if previous is not None:
+        state.restore(previous)
+    return output
 
 
 @contextmanager

@@ -75,7 +75,10 @@ def test_zero_variance_is_exactly_zero_despite_rounding(name):
     # Eight float32 copies of 0.7 have a float32 mean 6e-8 below 0.7, so the textbook
     # (r - mean) / (std + 1e-6) gives +0.056 to every member of a solve-all group: pure rounding noise.
     r = torch.full((8,), 0.7)
-    naive = (r - r.mean()) / (r.std() + 1e-6)
+    # Summed left to right, one correctly rounded float32 add at a time (the same on every CPU): r.mean()'s
+    # order is the kernel's, and a pairwise order sums eight equal values exactly (x+x, 2x+2x, 4x+4x).
+    mean = sum(r, torch.zeros(())) / 8
+    naive = (r - mean) / (r.std() + 1e-6)  # std is ~6e-8 or 0, depending on the same order
     assert naive.abs().min() > 0.05  # the hazard is real
     assert torch.equal(ADVANTAGES[name](r, [7] * 8), torch.zeros(8))
     r64 = torch.full((3,), 0.1, dtype=torch.float64)  # float64 mean of three 0.1 is not 0.1 either

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rolerl.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from tests.tolerance import assert_close_ulps
 
 
 def _inputs(dtype=torch.float32, b=3, t=7, d=16, v=50, seed=0):
@@ -46,7 +47,9 @@ def test_chunked_equals_naive_fp32(chunk_size, temperature):
     ref_grads = torch.autograd.grad((ref * up).sum(), (hidden, weight, bias))
 
     assert out.logp.dtype == torch.float32 and out.entropy is None
-    torch.testing.assert_close(out.logp, ref, rtol=0, atol=2e-6)
+    # Logits from another matmul shape (a chunk vs the whole batch), then z - lse: a few ulps of the largest
+    # |log-prob| apart (measured up to 1 ulp; an absolute 2e-6 was 2 ulps at |logp| ~ 8).
+    assert_close_ulps(out.logp, ref, ulps=8)
     assert torch.equal(out.logp[0, 2], torch.tensor(0.0)) and torch.equal(out.logp[-1, -1], torch.tensor(0.0))
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
@@ -106,3 +109,30 @@ def test_bad_arguments():
     hidden, weight, _, targets, _ = _inputs()
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_logprobs(hidden, weight, targets, chunk_size=0)
+
+
+def test_entropy_at_full_vocab_matches_fp64():
+    """At the real vocabulary size (V = 49152) the fp32 entropy and its gradient stay within a few fp32 ulps
+    of an fp64 reference. A length-V `bmm` dot product for E_p[z] was off by ~1e-5..1e-4 relative."""
+    g = torch.Generator().manual_seed(0)
+    v = 49152
+    # d = 1 and powers of two for hidden: the fp32 logits are exact, so only the softmax maths is measured.
+    hidden = torch.tensor([1.0, 2.0, 0.5, 4.0, 0.25, 1.0])[None, :, None]  # (1, 6, 1)
+    weight = (3 * torch.randn(v, 1, generator=g)).requires_grad_()
+    targets = torch.zeros(1, 6, dtype=torch.long)
+    out = chunked_logprobs(hidden, weight, targets, chunk_size=4, with_entropy=True)
+    (grad,) = torch.autograd.grad(out.entropy.sum(), weight)
+
+    w64 = weight.detach().double().requires_grad_()
+    logsm = torch.log_softmax(hidden.double() @ w64.T, dim=-1)  # (1, 6, V)
+    ref = -(logsm.exp() * logsm).sum(-1)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), w64)
+    logsm, ref = logsm.detach(), ref.detach()
+
+    # H = log Σ exp z - E_p[z]: exp and log within an ulp, pairwise sums over V within a few ulps, so a
+    # few ulps of the terms' size (|E_p[z]| <= |log Σ exp z| + H); the gradient Σ_t h_t p (log p + H) likewise.
+    eps = torch.finfo(torch.float32).eps
+    terms = 2 * ref.abs().max() + logsm.logsumexp(-1).abs().max()
+    torch.testing.assert_close(out.entropy.double(), ref, rtol=0, atol=16 * eps * float(terms))
+    scale = float((hidden * logsm.exp() * (logsm.abs() + ref[..., None])).sum(1).max())
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=16 * eps * scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rolerl.rollout.sampling import SamplingParams, counter_uniform, sample
+from tests.tolerance import assert_close_ulps
 
 
 def draws(logits: torch.Tensor, n: int, seed: int = 1, **params) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +30,9 @@ def test_frequencies_match_softmax_with_vocab_not_a_multiple_of_the_block():
     freq = torch.bincount(tokens, minlength=300).float() / 20_000
     # per-token error within 5 binomial standard deviations
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / 20_000).sqrt() + 1e-4).all()
-    torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[0, tokens], atol=1e-6, rtol=0)
+    # The sampler's log-softmax is its own (blocked) computation: ~1 ulp of the largest log-prob apart;
+    # an absolute 1e-6 was 1 ulp at |logp| ~ 10 and passed by 5% on this CPU.
+    assert_close_ulps(logp, torch.log_softmax(logits, -1)[0, tokens], ulps=8)
 
 
 def test_zero_probability_tokens_are_never_drawn_and_temperature_applies():
