@@ -400,6 +400,8 @@ def main() -> None:
     import transformers
     import trl
 
+    from rolerl.hardware import describe
+
     summary: dict = {
         "model": args.model,
         "dtype": "float32",
@@ -411,6 +413,7 @@ def main() -> None:
         "warmup": args.warmup,
         "rounds": args.rounds,
         "threads": args.threads,
+        "machine": describe(),  # every figure says which CPU it came from
         "loss": "token-mean (TRL loss_type=dapo)",
         "versions": {
             "torch": torch.__version__,

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from rolerl.hardware import describe, fast_dtypes
+
 QUESTIONS = [
     "Write a short story about a robot learning to paint.",
     "Explain how a bicycle stays upright.",
@@ -215,7 +217,13 @@ def run(args_list: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=fast_dtypes(),
+        choices=["float32", "bfloat16"],
+        help="default: float32, plus bfloat16 where the CPU has native bf16 (rolerl.hardware)",
+    )
     p.add_argument("--batches", nargs="+", type=int, default=[8, 32, 64])
     p.add_argument("--rows", nargs="+", default=["base", "lora"], choices=["base", "lora"])
     p.add_argument("--new-tokens", type=int, default=128)
@@ -243,6 +251,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "runs": args.runs,
         "threads": int(os.environ.get("BENCH_THREADS", "2")),
+        "machine": describe(),  # every figure says which CPU it came from
     }
     for dtype in args.dtypes:
         for row in args.rows:

@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from rolerl.hardware import describe, fast_dtypes
+
 SIDES = ["peft", "single", "two_random", "two_contig", "two_gather"]
 
 
@@ -99,7 +101,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
+        "--dtypes",
+        nargs="+",
+        default=fast_dtypes(),
+        choices=["float32", "bfloat16"],
+        help="default: float32, plus bfloat16 where the CPU has native bf16 (rolerl.hardware)",
     )
     parser.add_argument("--sides", nargs="+", default=SIDES, choices=SIDES)
     parser.add_argument("--batch", type=int, default=8)
@@ -120,6 +126,7 @@ def main() -> None:
         "steps": args.steps,
         "rounds": args.rounds,
         "threads": int(os.environ.get("BENCH_THREADS", "2")),
+        "machine": describe(),  # every figure says which CPU it came from
     }
     for dtype in args.dtypes:
         # Sides alternate in rounds, so load from anything else on the machine spreads over all of them.

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 EPILOG = """examples:
   rolerl demo                                  base eval -> imitation -> GRPO -> eval (~15 min on CPU)
-  rolerl demo --quick                          the same in ~3 minutes
+  rolerl demo --quick                          a ~3 minute pipeline check of every stage
   rolerl generate --prompt "What is 2**10?" --tools python --greedy --json
   rolerl adapters --model default --names reason tool --rank 8 --out adapters/
   rolerl train configs/smoke.yaml --set train.steps=5 run.dir=runs/smoke
@@ -23,15 +23,32 @@ EPILOG = """examples:
 """
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     p.add_argument(
         "--model",
         default="default",
-        help="'default' (SmolLM2-135M-Instruct), a HF id, a directory or a .gguf file",
+        help="'default' (SmolLM2-135M-Instruct), 'tiny:llama', a HF id, a directory or a .gguf file "
+        "(default: %(default)s)",
     )
     p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype"
+        "--dtype",
+        default=dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype; auto = bfloat16 where the device has native bf16 (a GPU, or a CPU with "
+        "AVX512-BF16 or AMX), else float32 (default: %(default)s)",
     )
+
+
+def _load(spec: str, dtype: str):
+    """`(model, tokenizer)` for the CLI: the tiny test models too, dtype 'auto' resolved (and logged)."""
+    import rolerl
+    from rolerl.hardware import resolve_precision
+    from rolerl.models.load import resolve_dtype
+
+    name = resolve_precision(dtype, "cpu", "--dtype")
+    if spec.startswith("tiny:"):
+        return rolerl.tiny_model(spec.split(":", 1)[1], dtype=resolve_dtype(name))
+    return rolerl.load_model(spec, dtype=name)
 
 
 def _configure_demo(p: argparse.ArgumentParser) -> None:
@@ -42,7 +59,11 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
         "--run-dir", default=None, help="output directory (default runs/demo-DATE-TIME): runs, results, plot"
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the problems, adapters and sampling")
-    p.add_argument("--quick", action="store_true", help="a ~3 minute version (fewer problems, 2 RL steps)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a ~3 minute pipeline check of every stage (fewer problems, 2 RL steps: too few to show a gain)",
+    )
     p.add_argument(
         "--steps", type=int, default=None, help="GRPO steps (default: rolerl/configs/demo.yaml, 10)"
     )
@@ -68,7 +89,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         "probe_k": args.probe, "overrides": tuple(args.set),
     }  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
-    settings = DemoSettings.quick(**given) if args.quick else DemoSettings(**given)
+    settings = DemoSettings.quick_check(**given) if args.quick else DemoSettings(**given)
     results = run_demo(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
     if args.json:
         print(json.dumps(results))
@@ -97,7 +118,7 @@ def _run_adapters(args: argparse.Namespace) -> int:
 
     import rolerl
 
-    model, _ = rolerl.load_model(args.model, dtype=args.dtype)
+    model, _ = _load(args.model, args.dtype)
     targets = (
         args.target_modules[0]
         if args.target_modules and len(args.target_modules) == 1
@@ -109,51 +130,102 @@ def _run_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
+# `generate --tools python`: the tags that open a tool call, and the default system prompt that explains them.
+# `xml` is rolerl's own (the TIR workflow, the demo, SFT data); `markdown` is what instruction-tuned models
+# write by habit (a ```python block), so an untrained model calls the tool with it.
+TOOL_TAGS = {
+    "xml": ("<code>", "</code>", "<output>", "</output>"),
+    "markdown": ("```python\n", "```", "\n```output", "```\n"),  # output tags must differ from the call's
+}
+TOOL_SYSTEM = {
+    "xml": "You can run Python. Write code between <code> and </code>; its printed output then appears between "
+    "<output> and </output>. Use Python for every calculation, then give the final answer between <answer> "
+    "and </answer>.",
+    "markdown": "You can run Python: write a ```python code block; its printed output then appears in an "
+    "```output block. Use Python for calculations, then give the final answer between <answer> and </answer>.",
+}
+
+
 def _configure_generate(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    _add_model_args(p, dtype="auto")
     p.add_argument("--prompt", required=True, help="user message (wrapped in the chat template unless --raw)")
     p.add_argument(
         "--raw", action="store_true", help="feed the prompt as plain text, without the chat template"
     )
-    p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="sampled tokens (tool output not counted)")
-    p.add_argument("--greedy", action="store_true", help="argmax decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--system",
+        default=None,
+        help="system message (default: none; with --tools, what the tool's tags mean: TOOL_SYSTEM in "
+        "rolerl/cli.py; --system '' sends none)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="sampled tokens, tool output not counted (default: 128)",
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="prompt + completion positions (default: the model's maximum)",
+    )
+    p.add_argument(
+        "--greedy", action="store_true", help="argmax decoding (ignores temperature, top-p, top-k)"
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default: 1.0)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off (default)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same text (default: 0)")
     p.add_argument("--tools", nargs="*", default=[], choices=["python"], help="tools the model may call")
+    p.add_argument(
+        "--tags",
+        default="auto",
+        choices=["auto", "xml", "markdown"],
+        help="how a tool call is written: xml = <code>...</code> (what rolerl trains: the demo, TIR, SFT "
+        "data), markdown = a ```python block (what an untrained instruct model writes); auto = xml with "
+        "--adapter, markdown without (default: auto)",
+    )
     p.add_argument("--adapter", default=None, help="a PEFT LoRA directory; every token is routed to it")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, kinds, routes, log-probs, tool calls)",
+    )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    """Generate one completion with the rollout engine and show each token's kind and route."""
+    """Generate one completion with the rollout engine. The text is coloured by token kind (tool calls,
+    tool output, answer), with each kind's token count and the route (adapter) of every kind after it;
+    --json gives the per-token kinds, routes and log-probs."""
     import math
 
     import rolerl
+    from rolerl.roles import KINDS, Tags
     from rolerl.rollout.engine import Engine, GenerationRequest
     from rolerl.rollout.sampling import SamplingParams
+    from rolerl.tools import build_tools
 
-    model, tokenizer = rolerl.load_model(args.model, dtype=args.dtype)
+    model, tokenizer = _load(args.model, args.dtype)
     route_of = None
     if args.adapter:
         rolerl.load_adapter(model, "adapter", args.adapter)
-        route_of = dict.fromkeys(("prompt", "reasoning", "tool_call", "tool_output", "answer"), 0)
+        route_of = dict.fromkeys(KINDS, 0)
+    style = args.tags if args.tags != "auto" else ("xml" if args.adapter else "markdown")
+    tags = Tags(*TOOL_TAGS[style])
+    system = args.system if args.system is not None else (TOOL_SYSTEM[style] if args.tools else "")
     if args.raw:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
-        chat = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        chat = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": args.prompt}
         ]
         prompt_ids = list(
             tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
         )
-    tools = {}
-    if "python" in args.tools:
-        from rolerl.tools.python_sandbox import PythonSandbox
-
-        tools["python"] = PythonSandbox()
+    tools = build_tools(args.tools)  # fails here, with what to do, if a tool cannot work on this machine
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -162,34 +234,69 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         greedy=args.greedy,
     )
-    engine = Engine(model, tokenizer, max_batch=1, tools=tools)
-    request = GenerationRequest(prompt_ids, sampling, route_of=route_of, tool="python" if tools else None)
+    engine = Engine(model, tokenizer, max_batch=1, max_len=args.max_len, tools=tools)
+    tool = args.tools[0] if args.tools else None
+    request = GenerationRequest(prompt_ids, sampling, route_of=route_of, tags=tags, tool=tool)
     t0 = time.perf_counter()
     try:
         turn = engine.generate([request])[0]
     finally:
         engine.close()
-        for tool in tools.values():
-            tool.close()
+        for t in tools.values():
+            t.close()
     elapsed = time.perf_counter() - t0
     text = tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
-    result = {
-        "text": text,
-        "completion_ids": turn.completion_ids,
-        "kinds": turn.kinds,
-        "routes": turn.routes[len(prompt_ids) - 1 : -1] if len(turn.routes) >= len(prompt_ids) else [],
-        "logprobs": [None if math.isnan(x) else round(x, 6) for x in turn.logprobs],
-        "finish_reason": turn.finish_reason,
-        "tool_calls": [{"args": c.args, "output": c.output, "error": c.error} for c in turn.tool_calls],
-        "seconds": round(elapsed, 3),
-    }
-    if not args.json:
-        print(text)
-        print(
-            f"[{len(turn.completion_ids)} tokens, {turn.finish_reason}, {len(turn.tool_calls)} tool calls, {elapsed:.1f}s]"
-        )
-    print(json.dumps(result) if args.json else "")
+    routes = turn.routes[len(prompt_ids) - 1 : -1] if len(turn.routes) >= len(prompt_ids) else []
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "completion_ids": turn.completion_ids,
+            "kinds": turn.kinds,
+            "routes": routes,
+            "logprobs": [None if math.isnan(x) else round(x, 6) for x in turn.logprobs],
+            "finish_reason": turn.finish_reason,
+            "tool_calls": [{"args": c.args, "output": c.output, "error": c.error} for c in turn.tool_calls],
+            "seconds": round(elapsed, 3),
+        }))  # fmt: skip
+        return 0
+    _print_by_kind(tokenizer, turn, routes, "adapter" if args.adapter else None)
+    print(
+        f"[{len(turn.completion_ids)} tokens, {turn.finish_reason}, {len(turn.tool_calls)} tool calls, "
+        f"{elapsed:.1f}s]"
+    )
     return 0
+
+
+def _print_by_kind(tokenizer, turn, routes: list[int], adapter: str | None) -> None:
+    """The completion coloured by kind (plain text when not a terminal), then one line per kind: its
+    colour, token count and the route (adapter or base) its tokens were computed with."""
+    from collections import Counter
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from rolerl.roles import ANSWER, REASONING, TOOL_CALL, TOOL_OUTPUT
+
+    style = {REASONING: "", TOOL_CALL: "bold cyan", TOOL_OUTPUT: "yellow", ANSWER: "bold green"}
+    console = Console(highlight=False)
+    out = Text()
+    start = 0
+    for i in range(1, len(turn.kinds) + 1):  # one span per run of equal kinds, decoded whole (no split bytes)
+        if i == len(turn.kinds) or turn.kinds[i] != turn.kinds[start]:
+            piece = tokenizer.decode(turn.completion_ids[start:i], skip_special_tokens=True)
+            out.append(piece, style=style.get(turn.kinds[start], ""))
+            start = i
+    console.print(out, soft_wrap=True)
+    counts = Counter(turn.kinds)
+    legend = Text("[kinds: ")
+    for n, kind in enumerate(k for k in style if counts[k]):
+        legend.append(", " if n else "")
+        route_ids = {r for r, k in zip(routes, turn.kinds, strict=False) if k == kind}
+        where = "base" if route_ids <= {-1} else (adapter or f"adapter {sorted(route_ids)}")
+        legend.append(kind, style=style[kind] or None)
+        legend.append(f" {counts[kind]} ({where})")
+    legend.append("]")
+    console.print(legend, soft_wrap=True)
 
 
 def _add_config_args(p: argparse.ArgumentParser, resume: bool) -> None:
@@ -210,27 +317,56 @@ def _add_config_args(p: argparse.ArgumentParser, resume: bool) -> None:
     )
 
 
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """`rolerl train --set k=v CONFIG.yaml` puts the path among the overrides (argparse's nargs): take
+    it back out. Anything else without '=' is an error that says what an override looks like."""
+    config, overrides = args.config, []
+    for item in args.overrides:
+        if "=" not in item and config is None and item.endswith((".yaml", ".yml")):
+            config = item
+        elif "=" not in item:
+            raise ValueError(
+                f"--set {item!r}: an override looks like section.field=value (e.g. train.steps=10); "
+                "give the config file before --set or as CONFIG.yaml"
+            )
+        else:
+            overrides.append(item)
+    return config, overrides
+
+
 def _configure_train(p: argparse.ArgumentParser) -> None:
     _add_config_args(p, resume=True)
     p.add_argument(
-        "--resume", default=None, metavar="RUN_DIR", help="continue RUN_DIR from its newest checkpoint"
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its newest readable checkpoint (a run stopped before its first "
+        "checkpoint starts again from step 0); a larger --set train.steps=N extends it",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in run.dir: deletes its checkpoints, adapters, metrics, TensorBoard logs and "
+        "config.yaml",
     )
 
 
 def _run_train(args: argparse.Namespace) -> int:
     """RL-train the adapters (docs/TRAINING.md): writes config.yaml, metrics.jsonl, TensorBoard logs and
-    checkpoints/step_N/ (PEFT adapters + optimizer, scheduler, RNG) into run.dir."""
+    checkpoints/step_N/ (PEFT adapters + optimizer and RNG state) into run.dir. Ctrl-C checkpoints the
+    last completed step and says how to continue."""
     from pathlib import Path
 
     from rolerl.config import load_config
     from rolerl.train.rl import train
 
-    path = args.config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
+    config, overrides = _config_and_overrides(args)
+    path = config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
     if path is None:
         raise ValueError("give a CONFIG.yaml (e.g. configs/smoke.yaml) or --resume RUN_DIR")
-    overrides = [*args.overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
+    overrides = [*overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
     cfg = load_config(path, overrides)
-    run_dir = train(cfg, resume=args.resume is not None)
+    run_dir = train(cfg, resume=args.resume is not None, overwrite=args.overwrite)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1]) if lines else {}
     keys = ("step", "reward/mean", "accuracy", "loss/total", "entropy", "logp_mismatch/max_abs")
@@ -241,6 +377,9 @@ def _run_train(args: argparse.Namespace) -> int:
 def _configure_sft(p: argparse.ArgumentParser) -> None:
     _add_config_args(p, resume=False)
     p.add_argument("--data", default=None, help="demonstrations JSONL (overrides sft.data)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the adapters and metrics already in run.dir"
+    )
 
 
 def _run_sft(args: argparse.Namespace) -> int:
@@ -249,12 +388,13 @@ def _run_sft(args: argparse.Namespace) -> int:
     from rolerl.config import load_config
     from rolerl.train.sft import sft
 
-    if args.config is None:
+    config, overrides = _config_and_overrides(args)
+    if config is None:
         raise ValueError("give a CONFIG.yaml (e.g. configs/smoke.yaml)")
-    cfg = load_config(args.config, [*args.overrides, *([f"sft.data={args.data}"] if args.data else [])])
+    cfg = load_config(config, [*overrides, *([f"sft.data={args.data}"] if args.data else [])])
     if not cfg.sft.data:
         raise ValueError("sft.data is empty: pass --data FILE.jsonl or --set sft.data=FILE.jsonl")
-    print(json.dumps({"adapters": str(sft(cfg))}))
+    print(json.dumps({"adapters": str(sft(cfg, overwrite=args.overwrite))}))
     return 0
 
 
@@ -309,9 +449,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         return args.run(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"rolerl {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a run that can continue says how (checkpoint.TrainingInterrupted)
+        print(f"rolerl {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
+        print(f"rolerl {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that describe a mistake in the input or the machine, printed as one line (others are bugs:
+    they keep their traceback). The sandbox's error is one: it says what to do without root."""
+    errors: list[type[BaseException]] = [ValueError, KeyError, OSError]
+    try:
+        from rolerl.tools._sandbox_host import SandboxError
+
+        errors.append(SandboxError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
 
 
 if __name__ == "__main__":

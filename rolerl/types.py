@@ -25,7 +25,10 @@ class ToolCall:
     name: str  # the tool's name ("python", "search")
     args: str  # the call's body as the model wrote it between the tool tags (code, query)
     output: str = ""  # the text spliced in (after formatting and truncation to the budget)
-    error: bool = False  # the tool failed, or the call was malformed
+    error: bool = (
+        False  # the call did not succeed: the code failed, the call was malformed, or the tool failed
+    )
+    tool_failed: bool = False  # the tool itself failed (raised); its error is what the model saw
     timed_out: bool = False
     wall_s: float = 0.0
     start: int = -1  # spliced output = completion_ids[start:end]; -1 if nothing was spliced

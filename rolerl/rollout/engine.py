@@ -17,6 +17,7 @@ was computed with, and sampling log-probs. The routes fed are checked against `s
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -28,11 +29,23 @@ from dataclasses import dataclass, field
 import torch
 
 from rolerl.models.lora import routes as routes_ctx
-from rolerl.roles import Tags, TagStateMachine, encode_exact, format_tool_output, shift, token_bytes
+from rolerl.roles import (
+    PROMPT,
+    TOOL_CALL,
+    TOOL_OUTPUT,
+    Tags,
+    TagStateMachine,
+    encode_exact,
+    format_tool_output,
+    shift,
+    token_bytes,
+)
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch
 from rolerl.rollout.sampling import SamplingParams, sample
 from rolerl.tools.base import Tool, ToolResult
 from rolerl.types import ToolCall, Turn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,7 +60,7 @@ class GenerationRequest:
     tool: str | None = None  # the engine tool a closed tool tag calls; None = tags are plain text
     max_tool_calls: int = 4  # per turn; one more call ends the turn with finish_reason "tool_limit"
     tool_output_tokens: int = 256  # budget of spliced output per call (the tool's text is cut to fit)
-    max_total_tokens: int = 4096  # prompt + completion, spliced output included
+    max_total_tokens: int | None = None  # prompt + completion, spliced output included; None = max_len
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -86,17 +99,20 @@ class Engine:
         tokenizer,
         *,
         max_batch: int = 32,
-        max_len: int = 4096,
+        max_len: int | None = None,
         max_tokens: int | None = None,
         tools: Mapping[str, Tool] | None = None,
         tool_workers: int = 8,
         sampler=sample,
     ) -> None:
-        """`sampler(logits, params, seeds, counters) -> (tokens, logprobs)`; tests replace it with a
-        script to drive exact token sequences (teacher forcing) through the real engine."""
+        """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
+        `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`;
+        tests replace it with a script to drive exact token sequences (teacher forcing) through the
+        real engine."""
         self.model, self.tokenizer = model, tokenizer
         self.sampler = sampler
-        self.max_batch, self.max_len = max_batch, max_len
+        self.max_batch, self.max_len = max_batch, max_len or _model_max_len(model)
+        self._warned_room = False
         self.max_tokens = max_tokens  # token budget: the sum of active rows' maximum lengths
         self.tools = dict(tools or {})
         self.pool = ThreadPoolExecutor(tool_workers, thread_name_prefix="rolerl-tool") if self.tools else None
@@ -133,16 +149,27 @@ class Engine:
     def submit(self, request: GenerationRequest) -> int:
         if request.tool is not None and request.tool not in self.tools:
             raise ValueError(f"request calls tool {request.tool!r}; engine tools: {sorted(self.tools)}")
-        if len(request.prompt_ids) >= min(request.max_total_tokens, self.max_len):
+        limit = min(request.max_total_tokens or self.max_len, self.max_len)
+        if len(request.prompt_ids) >= limit:
             raise ValueError(
-                f"prompt of {len(request.prompt_ids)} tokens leaves no room (max_len {self.max_len})"
+                f"prompt of {len(request.prompt_ids)} tokens leaves no room (max_len {self.max_len}); "
+                "raise rollout.max_len or shorten the prompt"
             )
+        room = limit - len(request.prompt_ids)
+        if room < request.sampling.max_new_tokens and not self._warned_room:
+            self._warned_room = True  # once per engine: a batch of long prompts would repeat it per row
+            log.warning(
+                "a prompt of %d tokens leaves room for %d of its %d new tokens (max_len %d): such rows end "
+                "with finish_reason 'length'; raise rollout.max_len (the model allows %d)",
+                len(request.prompt_ids), room, request.sampling.max_new_tokens, self.max_len,
+                _model_max_len(self.model),
+            )  # fmt: skip
         handle, self._next_handle = self._next_handle, self._next_handle + 1
         sm = TagStateMachine(request.tags, self.bytes)
-        row = _Row(request, handle, sm, list(request.prompt_ids), ["prompt"] * len(request.prompt_ids))
+        row = _Row(request, handle, sm, list(request.prompt_ids), [PROMPT] * len(request.prompt_ids))
         row.pending = list(request.prompt_ids)
         # prompt position p predicts p+1 (a prompt token, or the first sampled token for the last one)
-        row.pending_routes = [row.route("prompt")] * (len(row.pending) - 1) + [row.route(sm.kind_of_next())]
+        row.pending_routes = [row.route(PROMPT)] * (len(row.pending) - 1) + [row.route(sm.kind_of_next())]
         self.waiting.append(row)
         return handle
 
@@ -301,7 +328,7 @@ class Engine:
             row.finish = "length"
         if row.finish:
             return
-        call = next((e for e in events if e.kind == "tool_call"), None)
+        call = next((e for e in events if e.kind == TOOL_CALL), None)
         if call is not None and req.tool is not None:
             if len(row.tool_calls) >= req.max_tool_calls:
                 row.finish = "tool_limit"
@@ -314,7 +341,7 @@ class Engine:
         row.pending, row.pending_routes = [token], [row.route(row.sm.kind_of_next())]
 
     def _splice_tool_output(self, row: _Row) -> None:
-        result: ToolResult = row.future.result()
+        result, failed = row.future.result()
         row.future = None
         self.stats["tool_calls"] += 1
         call = row.tool_calls[-1]
@@ -326,7 +353,7 @@ class Engine:
         forced = encode_exact(self.tokenizer, format_tool_output(row.req.tags, text))
         room = _max_length(row.req, self.max_len) - len(row.ids) - 1
         forced = forced[: max(room, 0)]
-        call.output, call.error = text, not result.ok
+        call.output, call.error, call.tool_failed = text, not result.ok, failed
         call.timed_out, call.wall_s = result.timed_out, time.perf_counter() - row.call_started
         call.start, call.end = (
             len(row.ids) - len(row.req.prompt_ids),
@@ -337,11 +364,11 @@ class Engine:
             return
         row.sm.feed_forced(forced)
         row.ids.extend(forced)
-        row.kinds.extend(["tool_output"] * len(forced))
+        row.kinds.extend([TOOL_OUTPUT] * len(forced))
         row.logprobs.extend([math.nan] * len(forced))
         # [last sampled, forced...]: all predict tool output, except the last forced, which predicts the
         # model's next token
-        routes = [row.route("tool_output")] * len(forced) + [row.route(row.sm.kind_of_next())]
+        routes = [row.route(TOOL_OUTPUT)] * len(forced) + [row.route(row.sm.kind_of_next())]
         row.pending, row.pending_routes = [row.pending[0], *forced], routes
         if len(row.ids) >= _max_length(row.req, self.max_len):
             row.finish = "length"
@@ -401,14 +428,21 @@ class _RouteOf(Mapping):
 def _max_length(req: GenerationRequest, max_len: int) -> int:
     """The most positions a request can occupy, to size the cache (never more than max_len)."""
     tools = req.max_tool_calls * (req.tool_output_tokens + 32) if req.tool else 0
-    return min(req.max_total_tokens, max_len, len(req.prompt_ids) + req.sampling.max_new_tokens + tools)
+    limit = min(req.max_total_tokens or max_len, max_len)
+    return min(limit, len(req.prompt_ids) + req.sampling.max_new_tokens + tools)
 
 
-def _run_tool(tool: Tool, args: str) -> ToolResult:
-    """A tool error never crashes the batch: it becomes text the model sees."""
+def _model_max_len(model) -> int:
+    """The positions the model was trained for (8192 on SmolLM2), or 4096 when its config does not say."""
+    return int(getattr(getattr(model, "config", None), "max_position_embeddings", None) or 4096)
+
+
+def _run_tool(tool: Tool, args: str) -> tuple[ToolResult, bool]:
+    """`(result, the tool itself failed)`. A tool error never crashes the batch: it becomes text the model
+    sees, and `ToolCall.tool_failed` lets the trainer tell it from the model's own failing code."""
     if not args.strip():
-        return ToolResult(stderr="error: empty tool call\n", exit_code=1)
+        return ToolResult(stderr="error: empty tool call\n", exit_code=1), False
     try:
-        return tool.run(args)
+        return tool.run(args), False
     except Exception as e:  # noqa: BLE001 - any tool failure is the model's observation, not ours
-        return ToolResult(stderr=f"error: {type(e).__name__}: {e}\n", exit_code=1)
+        return ToolResult(stderr=f"error: {type(e).__name__}: {e}\n", exit_code=1), True

@@ -10,6 +10,7 @@ from rolerl.tasks.synthetic import SyntheticTask, format_task, rl_task
 
 TASKS: dict[str, Callable[[], Task]] = {
     "arithmetic": ArithmeticTask,
+    "arithmetic_lenient": lambda: ArithmeticTask(lenient=True, format_reward=0.1),
     "synthetic": rl_task,
     "synthetic_format": format_task,
 }

@@ -20,6 +20,7 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _INT = re.compile(r"^[-+]?\d[\d,]*$")
+_LAST_INT = re.compile(r"(?<![\w.])-?\d+(?![\w.]\d)")  # integers standing alone (not 3 of 3.5 or x2)
 
 
 def extract_answer(text: str) -> str | None:
@@ -37,15 +38,26 @@ def parse_int(answer: str | None) -> int | None:
 
 
 class ArithmeticTask:
-    """`a op b` with operands in `[0, max_operand]`; splits draw from disjoint seed streams."""
+    """`a op b` with operands in `[0, max_operand]`; splits draw from disjoint seed streams.
+
+    Strict (default): the answer is the last `<answer>`/`\\boxed{}` integer, reward 1 if right, else 0; an
+    untrained small model never uses the tags, so every reward is 0. `lenient=True` also takes the last
+    integer of a reply without tags, and `format_reward` goes to a wrong reply that still gave an integer:
+    rewards that vary within a group from the first step (`task.name: arithmetic_lenient`, the smoke run).
+    """
 
     name = "arithmetic"
 
-    def __init__(self, max_operand: int = 20, ops: str = "+-*") -> None:
+    def __init__(
+        self, max_operand: int = 20, ops: str = "+-*", *, lenient: bool = False, format_reward: float = 0.0
+    ) -> None:
         bad = set(ops) - set(_OPS)
         if bad or not ops:
             raise ValueError(f"ops={ops!r}; allowed: a non-empty string of {''.join(_OPS)}")
+        if not 0 <= format_reward < 1:
+            raise ValueError(f"format_reward={format_reward}; allowed: a number in [0, 1)")
         self.max_operand, self.ops = max_operand, ops
+        self.lenient, self.format_reward = lenient, format_reward
 
     def examples(self, split: str, n: int, seed: int) -> list[Example]:
         rng = random.Random(zlib.crc32(f"{split}/{seed}".encode()))
@@ -62,5 +74,11 @@ class ArithmeticTask:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example.question}]
 
     def reward(self, example: Example, text: str) -> float:
-        value = parse_int(extract_answer(text))
-        return 1.0 if value is not None and value == int(example.answer) else 0.0
+        answer = extract_answer(text)
+        if answer is None and self.lenient:
+            found = _LAST_INT.findall(text)
+            answer = found[-1] if found else None
+        value = parse_int(answer)
+        if value is None:
+            return 0.0
+        return 1.0 if value == int(example.answer) else self.format_reward

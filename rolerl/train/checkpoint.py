@@ -5,15 +5,17 @@ RUN_DIR/
   config.yaml                 the resolved config (every field, after overrides)
   metrics.jsonl               one flat JSON object per step
   tensorboard/                event files (when `tensorboard` is installed)
-  checkpoints/step_N/         adapters/<name>/ (PEFT directories) + state.pt (optimizer, scheduler, RNG, step)
+  checkpoints/step_N/         adapters/<name>/ (PEFT directories) + state.pt (optimizer, RNG, step, ...)
 ```
 
 A checkpoint is written into a hidden temp directory beside its final place and renamed into place, so
-a crash leaves either the whole checkpoint or none; only the newest `keep_last` are kept.
+a crash leaves either the whole checkpoint or none; only the newest `keep_last` are kept. A checkpoint
+that cannot be read back (a disk fault) is skipped for the previous one, with a warning naming the file.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -21,6 +23,8 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +33,70 @@ import torch
 from torch import nn
 
 from rolerl.config import Config
-from rolerl.models.adapters_io import load_adapter, save_adapter
+from rolerl.models.adapters_io import CorruptFileError, load_adapter, save_adapter
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 _WARNED = False
+# What a run writes into its directory: what `--overwrite` removes (checkpoints first: see `clear_run`)
+RUN_FILES = ("checkpoints", "adapters", "metrics.jsonl", "tensorboard", "config.yaml")
+
+
+class CheckpointError(ValueError):
+    """No checkpoint of a run directory can be read back."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, after the last completed step was checkpointed. A KeyboardInterrupt, so code
+    that catches `Exception` still lets it through; `str()` is the one line to show the user."""
+
+    def __init__(self, step: int, saved: int, run_dir: str | Path) -> None:
+        self.step, self.saved, self.run_dir = step, saved, Path(run_dir)
+        kept = f"step {saved} is checkpointed" if saved else "no step had completed"
+        super().__init__(
+            f"interrupted at step {step} ({kept}); continue with rolerl train --resume {run_dir}"
+        )
+
+
+def holds_run(run_dir: str | Path) -> list[str]:
+    """The run files `run_dir` already holds (empty for a fresh directory)."""
+    root = Path(run_dir)
+    found = [name for name in ("metrics.jsonl", "adapters") if (root / name).exists()]
+    return found + (["checkpoints"] if checkpoints(root) else [])
+
+
+def prepare_run_dir(run_dir: str | Path, command: str, *, overwrite: bool) -> None:
+    """Refuse a directory that holds a run (never mix two runs' metrics), or clear it with `overwrite`."""
+    found = holds_run(run_dir)
+    if found and not overwrite:
+        resume = f"continue it with --resume {run_dir}, " if command == "train" else ""
+        raise ValueError(
+            f"run.dir={str(run_dir)!r} already holds a run; {resume}choose another run.dir, or replace it "
+            f"with `rolerl {command} --overwrite` (overwrite=True); it has {', '.join(found)}"
+        )
+    if overwrite:
+        clear_run(run_dir)
+
+
+def clear_run(run_dir: str | Path) -> None:
+    """Delete a run's files (`RUN_FILES`; anything else in the directory stays). Each is first renamed into
+    one hidden trash directory, checkpoints first: a crash midway leaves at most old metrics without
+    checkpoints, which no run resumes from (`--resume` restarts such a run from step 0)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return
+    for p in root.glob(".overwritten-*"):  # a previous clear that crashed before deleting
+        shutil.rmtree(p, ignore_errors=True)
+    present = [root / name for name in RUN_FILES if (root / name).exists()]
+    if not present:
+        return
+    trash = Path(tempfile.mkdtemp(prefix=".overwritten-", dir=root))
+    for p in present:
+        os.replace(p, trash / p.name)
+    log.warning(
+        "run.dir=%r: removed the previous run's %s (overwrite)", str(root), ", ".join(p.name for p in present)
+    )
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class RunDir:
@@ -62,9 +125,23 @@ class RunDir:
             self.writer.flush()
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """The logged rows. A last line cut short (the process was killed while appending it) is dropped
+        with a warning; a bad line elsewhere is an error naming it."""
         if not self.metrics_path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        lines = self.metrics_path.read_text().split("\n")
+        last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
+        rows = []
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                if n != last:
+                    raise ValueError(f"{str(self.metrics_path)!r} line {n + 1}: not JSON ({e})") from None
+                log.warning("%s line %d is cut short (a killed write): dropping it", self.metrics_path, n + 1)
+        return rows
 
     def close(self) -> None:
         if self.writer is not None:
@@ -132,12 +209,15 @@ def save_checkpoint(
     model: nn.Module,
     adapter_names: list[str],
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    scheduler: Any = None,
     *,
     keep_last: int,
     extra: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `checkpoints/step_{step}` atomically, then delete all but the newest `keep_last`."""
+    """Write `checkpoints/step_{step}` atomically, then delete all but the newest `keep_last`.
+
+    `rng`: the RNG states to store (default: now), e.g. those captured when `step` completed."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
@@ -148,8 +228,8 @@ def save_checkpoint(
         state = {
             "step": step,
             "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": rng if rng is not None else rng_state(),
             "extra": extra or {},
         }
         torch.save(state, tmp / "state.pt")
@@ -171,17 +251,55 @@ def load_checkpoint(
     model: nn.Module,
     adapter_names: list[str],
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    scheduler: Any = None,
 ) -> dict[str, Any]:
-    """Restore adapters, optimizer, scheduler and RNG from `path`; returns the saved state (with `step`)."""
+    """Restore adapters, optimizer, scheduler and RNG from `path`; returns the saved state (with `step`).
+
+    Raises `CorruptFileError` naming the file when `state.pt` or an adapter cannot be read; `state.pt` is
+    read first, so a bad one changes nothing."""
     path = Path(path)
+    try:
+        state = torch.load(path / "state.pt", weights_only=False)
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        # a truncated zip, a bad pickle: torch raises RuntimeError, UnpicklingError, EOFError
+        raise CorruptFileError(path / "state.pt", "checkpoint state", e) from None
+    if not isinstance(state, dict) or not {"step", "optimizer", "rng"} <= set(state):
+        raise CorruptFileError(path / "state.pt", "checkpoint state", ValueError("keys missing"))
     for name in adapter_names:
         load_adapter(model, name, path / "adapters" / name)
-    state = torch.load(path / "state.pt", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state
+
+
+def load_newest(
+    run_dir: str | Path,
+    model: nn.Module,
+    adapter_names: list[str],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+) -> dict[str, Any] | None:
+    """`load_checkpoint` of the newest checkpoint that reads back, warning about each one skipped;
+    None if the run has no checkpoint. Raises `CheckpointError` naming the bad file if none reads."""
+    found = checkpoints(run_dir)
+    errors = []
+    for step, path in reversed(found):
+        try:
+            return load_checkpoint(path, model, adapter_names, optimizer, scheduler)
+        except (CorruptFileError, FileNotFoundError) as e:
+            errors.append(e)
+            log.warning("checkpoint step_%d is unusable (%s); falling back to the previous one", step, e)
+    if not errors:
+        return None
+    older = f" (and {len(errors) - 1} older ones)" if len(errors) > 1 else ""
+    raise CheckpointError(
+        f"no usable checkpoint in {str(run_dir)!r}: {errors[0]}{older}; restore that file from a backup, "
+        "or start the run again with --overwrite"
+    )
 
 
 def clean_partial(run_dir: str | Path) -> None:
@@ -191,3 +309,54 @@ def clean_partial(run_dir: str | Path) -> None:
         for p in root.iterdir():
             if p.name.startswith(".step_"):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What an interrupted run needs to checkpoint its last completed step
+
+
+@dataclass
+class Completed:
+    """The last step whose update finished and whose metrics are logged, the RNG states and lr as it
+    ended, and the newest step that is checkpointed."""
+
+    step: int
+    saved: int
+    lr: float | None = None
+    rng: dict | None = None
+
+    def complete(self, step: int, lr: float) -> None:
+        self.step, self.lr, self.rng = step, lr, rng_state()
+
+
+class StepUndo:
+    """Lets an interruption checkpoint the last completed step even mid-update: before a step's first
+    optimizer step it copies the adapters and the optimizer state (small for LoRA), which `undo` puts back."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        self.params, self.optimizer = list(params), optimizer
+        self.armed, self.before = False, None
+        self.handle = optimizer.register_step_pre_hook(self._before_step)
+
+    def arm(self) -> None:
+        self.armed, self.before = True, None
+
+    def disarm(self) -> None:
+        self.armed, self.before = False, None
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if self.armed and self.before is None:
+            weights = [p.detach().clone() for p in self.params]
+            self.before = (weights, copy.deepcopy(optimizer.state_dict()))
+
+    def undo(self) -> None:
+        if self.before is not None:
+            weights, state = self.before
+            with torch.no_grad():
+                for p, w in zip(self.params, weights, strict=True):
+                    p.copy_(w)
+            self.optimizer.load_state_dict(state)
+            self.before = None
+
+    def close(self) -> None:
+        self.handle.remove()

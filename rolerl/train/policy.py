@@ -19,9 +19,10 @@ from torch import nn
 
 from rolerl.algorithms import TokenLogprobs, chunked_logprobs
 from rolerl.config import Config
+from rolerl.hardware import resolve_bf16, resolve_precision
 from rolerl.models.adapters_io import load_adapter
 from rolerl.models.attention import attention_implementation
-from rolerl.models.load import load_model
+from rolerl.models.load import load_model, resolve_dtype
 from rolerl.models.lora import adapter_specs, add_adapters
 from rolerl.models.tiny import tiny_model
 from rolerl.models.topology import Topology
@@ -38,6 +39,7 @@ class Policy:
     topology: Topology
     route_of: dict[str, dict[str, int]]  # role -> (kind -> adapter index), for rollout, collate and SFT
     device: torch.device
+    bf16: bool = False  # bf16 autocast for training forwards (`train.bf16`, resolved for this device)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -51,6 +53,11 @@ class Policy:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"model.device={name!r} but this torch ({torch.__version__}) sees no CUDA device; use "
+            "model.device=auto or cpu, or install a CUDA build of torch"
+        )
     return torch.device(name)
 
 
@@ -59,12 +66,12 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
     from `cfg.adapters.init/<name>` (PEFT directories, e.g. written by `rolerl sft`)."""
     device = resolve_device(cfg.model.device)
     spec = cfg.model.spec
+    dtype = resolve_precision(cfg.model.dtype, device, "model.dtype")
     if spec.startswith("tiny:"):
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        model, tokenizer = tiny_model(spec.split(":", 1)[1], seed=cfg.run.seed, dtype=dtype)  # type: ignore[arg-type]
+        model, tokenizer = tiny_model(spec.split(":", 1)[1], seed=cfg.run.seed, dtype=resolve_dtype(dtype))  # type: ignore[arg-type]
         model.to(device)
     else:
-        model, tokenizer = load_model(spec, dtype=cfg.model.dtype, device=str(device))
+        model, tokenizer = load_model(spec, dtype=dtype, device=str(device))
     topology = Topology.from_preset(cfg.adapters.preset, roles)
     names = topology.adapter_names()
     targets = cfg.adapters.target_modules
@@ -88,7 +95,8 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
     model.eval()  # always: no dropout in rollout or training (a model built from a config starts in train mode)
     index = {n: i for i, n in enumerate(adapter_specs(model))}
     route_of = {role: topology.route_of(role, index) for role in roles}
-    return Policy(model, tokenizer, topology, route_of, device)
+    bf16 = resolve_bf16(cfg.train.bf16, device)
+    return Policy(model, tokenizer, topology, route_of, device, bf16=bf16)
 
 
 def autocast(device: torch.device, bf16: bool):

@@ -21,9 +21,10 @@ from transformers import DynamicCache
 
 from rolerl.models.lora import routes as lora_routes
 from rolerl.roles import KIND_INDEX
+from rolerl.roles import PROMPT as PROMPT_KIND
 from rolerl.types import TrainBatch
 
-PROMPT = KIND_INDEX["prompt"]
+PROMPT = KIND_INDEX[PROMPT_KIND]
 
 
 def hidden_at(

@@ -26,8 +26,18 @@ from rolerl.algorithms import AggNorm, aggregate
 from rolerl.config import Config
 from rolerl.models.adapters_io import save_adapter
 from rolerl.progress import ProgressBar
-from rolerl.roles import ANSWER, PROMPT, REASONING, TOOL_CALL, Tags, shift, splice_tokenize, split_segments
-from rolerl.train.checkpoint import RunDir
+from rolerl.roles import (
+    ANSWER,
+    PROMPT,
+    REASONING,
+    TOOL_CALL,
+    TOOL_OUTPUT,
+    Tags,
+    shift,
+    splice_tokenize,
+    split_segments,
+)
+from rolerl.train.checkpoint import RunDir, prepare_run_dir
 from rolerl.train.policy import Policy, autocast, build_policy, select_rows, token_logprobs
 from rolerl.train.update import lr_factor
 from rolerl.types import TrainBatch, Turn, collate
@@ -36,16 +46,35 @@ log = logging.getLogger(__name__)
 
 
 def read_demonstrations(path: str | Path) -> list[dict[str, Any]]:
-    """Lines of `{"role": str, "messages": [...]}`; errors name the line."""
+    """Lines of `{"role": str, "messages": [{"role": str, "content": str}, ...]}`; errors name the file, the
+    line (counting blank ones, as an editor does) and the field."""
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(Path(path).read_text().split("\n"), 1):  # not splitlines: JSON may hold U+2028
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:  # its "line 1" is the line within this row: give the file's
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             raise ValueError(f"{path}:{n}: expected {{'role': ..., 'messages': [...]}}; got {line[:80]!r}")
+        if not isinstance(row.get("role", "policy"), str):
+            raise ValueError(f"{path}:{n}: role must be a string (a workflow role); got {row['role']!r:.80}")
+        for i, message in enumerate(row["messages"]):
+            _check_message(message, f"{path}:{n}: messages[{i}]")
         rows.append({"role": row.get("role", "policy"), "messages": row["messages"]})
     return rows
+
+
+def _check_message(message: Any, where: str) -> None:
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} must be an object {{'role': ..., 'content': ...}}; got {message!r:.80}")
+    for field in ("role", "content"):
+        value = message.get(field)
+        if not isinstance(value, str):
+            hint = " (join a list of text parts into one string)" if isinstance(value, list) else ""
+            got = "nothing" if value is None else f"{type(value).__name__} {value!r:.60}"
+            raise ValueError(f"{where}.{field} must be a string{hint}; got {got}")
 
 
 def demonstration_turns(
@@ -82,7 +111,7 @@ def demonstration_turns(
             keep = max(max_len - len(prompt), 0)
             ids, kinds = ids[:keep], kinds[:keep]
         routes = shift([PROMPT] * len(prompt) + kinds, route_of[role])
-        logprobs = [0.0 if k != "tool_output" else math.nan for k in kinds]
+        logprobs = [0.0 if k != TOOL_OUTPUT else math.nan for k in kinds]
         turns.append(Turn(role, prompt, ids, kinds, routes, logprobs, "eos"))
     return turns
 
@@ -105,12 +134,16 @@ def sft_loss(
     return aggregate(-logp, batch.loss_mask[:, :-1], "token-mean", norm)
 
 
-def sft(cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | None = None) -> Path:
+def sft(
+    cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | None = None, overwrite: bool = False
+) -> Path:
     """Train the adapters on `cfg.sft.data`; write them to `cfg.run.dir/adapters/<name>` (PEFT dirs).
 
     `policy` trains an already built model in place (e.g. `rolerl demo`, which then evaluates and RL-trains
-    it); by default the model and adapters `cfg` names are built for `roles` (default: the data's roles)."""
+    it); by default the model and adapters `cfg` names are built for `roles` (default: the data's roles).
+    A `run.dir` that already holds a run is refused (its metrics would mix) unless `overwrite`."""
     data = read_demonstrations(cfg.sft.data)
+    prepare_run_dir(cfg.run.dir, "sft", overwrite=overwrite)
     if policy is None:
         roles = list(roles) if roles else sorted({row["role"] for row in data})
         policy = build_policy(cfg, roles)
@@ -147,7 +180,7 @@ def sft(cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | Non
                         mb = select_rows(
                             batch, range(start, min(start + cfg.train.micro_batch_size, len(rows)))
                         )
-                        part = sft_loss(policy.model, mb, norm, cfg.train.logprob_chunk, cfg.train.bf16)
+                        part = sft_loss(policy.model, mb, norm, cfg.train.logprob_chunk, policy.bf16)
                         part.backward()
                         loss += float(part.detach())
                     grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -11,7 +11,7 @@ aggregated once.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -147,12 +147,18 @@ def _part(per_token: Tensor, mb: TrainBatch, mask: Tensor, alg: AlgorithmConfig,
 
 
 def accumulate_gradients(
-    model: nn.Module, batch: TrainBatch, aligned: Aligned, s: LossSettings, micro_batch_size: int
+    model: nn.Module,
+    batch: TrainBatch,
+    aligned: Aligned,
+    s: LossSettings,
+    micro_batch_size: int,
+    tick: Callable[[], None] = lambda: None,
 ) -> tuple[float, Sums, Tensor]:
     """Backward over `batch` in micro-batches, with the normalisers of the whole `batch`.
 
     Returns the total loss (= the full-batch loss), token-weighted metric sums, and the detached trainer
     log-probs `(B, T)` in TrainBatch alignment. Gradients accumulate into `.grad` (not zeroed here).
+    `tick` is called after each micro-batch (progress).
     """
     b = batch.input_ids.shape[0]
     norm = AggNorm.of(batch.loss_mask, horizon=s.horizon)
@@ -167,11 +173,18 @@ def accumulate_gradients(
         total += float(loss.detach())
         sums.add(float(mb.loss_mask.sum()), metrics)
         logp_all[rows, : width - 1] = logp.to(logp_all.dtype)
+        tick()
     return total, sums, logp_all
 
 
 @torch.no_grad()
-def recompute_logprobs(model: nn.Module, batch: TrainBatch, s: LossSettings, micro_batch_size: int) -> Tensor:
+def recompute_logprobs(
+    model: nn.Module,
+    batch: TrainBatch,
+    s: LossSettings,
+    micro_batch_size: int,
+    tick: Callable[[], None] = lambda: None,
+) -> Tensor:
     """The trainer's log-probs of every loss token before any update, `(B, T)` in TrainBatch alignment."""
     out = torch.zeros_like(batch.old_logp)
     for start in range(0, batch.input_ids.shape[0], micro_batch_size):
@@ -180,6 +193,7 @@ def recompute_logprobs(model: nn.Module, batch: TrainBatch, s: LossSettings, mic
         with autocast(mb.input_ids.device, s.bf16):
             lp = token_logprobs(model, mb, **s.logprob_args()).logp
         out[rows, : mb.input_ids.shape[1] - 1] = lp.float()
+        tick()
     return out
 
 
@@ -195,25 +209,39 @@ def ppo_update(
     micro_batch_size: int,
     grad_clip: float,
     generator: torch.Generator,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """PPO epochs over `batch`; each of `mini_batches` shuffled row subsets is one optimizer step.
 
     `old_logp: recompute` (or TIS, or several mini-batches) runs one no-grad forward first, so the
     mismatch to the rollout's log-probs is measured before any update; otherwise the first (only)
-    mini-batch's forward is that measurement, at no extra cost.
+    mini-batch's forward is that measurement, at no extra cost. `progress(done, total)` is called after
+    each micro-batch forward.
     """
     alg = s.algorithm
     mask = batch.loss_mask
+    b = batch.input_ids.shape[0]
     recompute = alg.old_logp == "recompute" or alg.tis_cap is not None or mini_batches > 1
+    per_epoch = sum(
+        math.ceil(len(rows) / micro_batch_size) for rows in torch.arange(b).tensor_split(mini_batches)
+    )
+    total_mb = ppo_epochs * per_epoch + (math.ceil(b / micro_batch_size) if recompute else 0)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total_mb)
+
     metrics: dict[str, float] = {}
-    trainer_logp = recompute_logprobs(model, batch, s, micro_batch_size) if recompute else None
+    trainer_logp = recompute_logprobs(model, batch, s, micro_batch_size, tick) if recompute else None
     if trainer_logp is not None:
         metrics |= _mismatch(trainer_logp, batch.old_logp, mask, alg.tis_cap)
     aligned = Aligned(
         old_logp=trainer_logp if alg.old_logp == "recompute" else batch.old_logp,
         is_weights=tis_weights(trainer_logp, batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
     )
-    b = batch.input_ids.shape[0]
     sums, losses, grad_norms = Sums(), [], []
     for epoch in range(ppo_epochs):
         order = torch.randperm(b, generator=generator)
@@ -224,7 +252,7 @@ def ppo_update(
             width = sub.input_ids.shape[1]
             optimizer.zero_grad(set_to_none=True)
             loss, mb_sums, logp = accumulate_gradients(
-                model, sub, aligned.rows(rows, width), s, micro_batch_size
+                model, sub, aligned.rows(rows, width), s, micro_batch_size, tick
             )
             if not recompute and epoch == 0:
                 metrics |= _mismatch(logp, sub.old_logp, sub.loss_mask, None)

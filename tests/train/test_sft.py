@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -98,6 +99,30 @@ def test_read_demonstrations_errors(tmp_path):
         demonstration_turns(None, dict(CONVERSATION, role="judge"), dart_route_of())
 
 
+def test_read_demonstrations_names_the_real_line_and_field(tmp_path):
+    path = tmp_path / "d.jsonl"
+    good = json.dumps(CONVERSATION)
+    path.write_text(f"{good}\n\n{good}\n\n" + '{"messages": [{"role": "user", "content": "hi"}\n')
+    with pytest.raises(ValueError) as error:  # json's own message says "line 1": the row's, not the file's
+        read_demonstrations(path)
+    assert str(error.value) == f"{path}:5: not valid JSON (Expecting ',' delimiter at column 48)"
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ["a", "b"]}]}
+    path.write_text(f"{good}\n{json.dumps(row)}\n")
+    with pytest.raises(ValueError) as error:
+        read_demonstrations(path)
+    assert str(error.value) == (
+        f"{path}:2: messages[1].content must be a string (join a list of text parts into one string); "
+        "got list ['a', 'b']"
+    )
+    for bad, field in ((42, "content"), (None, "content")):
+        path.write_text(json.dumps({"messages": [{"role": "assistant", "content": bad}]}) + "\n")
+        with pytest.raises(ValueError, match=rf"d.jsonl:1: messages\[0\]\.{field} must be a string; got "):
+            read_demonstrations(path)
+    path.write_text(json.dumps({"messages": ["hi"]}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: messages\[0\] must be an object"):
+        read_demonstrations(path)
+
+
 def test_sft_run_writes_peft_adapters_that_moved(tmp_path):
     data = tmp_path / "demos.jsonl"
     data.write_text("".join(json.dumps(CONVERSATION) + "\n" for _ in range(3)))
@@ -129,6 +154,12 @@ def test_sft_run_writes_peft_adapters_that_moved(tmp_path):
     rolerl.load_adapter(model, "tool", out / "tool")
     b = [p for n, p in model.named_parameters() if n.endswith("lora_B.tool")]
     assert any(bool(torch.any(x != 0)) for x in b)  # B started at zero
+    # A second sft into the same directory would overwrite the adapters and duplicate metrics steps
+    with pytest.raises(ValueError, match=r"already holds a run; choose another run.dir, or replace it with"):
+        sft(cfg)
+    assert [r["step"] for r in RunDir(tmp_path / "sft", tensorboard=False).read_metrics()] == [1, 2, 3, 4]
+    sft(dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, epochs=1)), overwrite=True)
+    assert [r["step"] for r in RunDir(tmp_path / "sft", tensorboard=False).read_metrics()] == [1, 2]
 
 
 def test_cli_sft(tmp_path, capsys):

@@ -1,0 +1,138 @@
+"""What the machine can do fast, and the precision choices that follow from it.
+
+Machines of one kind differ: one CPU has AVX-512 with native bf16 (AVX512-BF16) or AMX, another AVX2
+only, where torch emulates bf16 and a bf16 matmul is ~45x slower than fp32 (measured: 270 ms vs 6.4 ms,
+one thread). So `bf16: auto` asks the hardware, never a default that suited one machine:
+
+- CUDA: bf16 where `torch.cuda.is_bf16_supported()` (Ampere and newer);
+- CPU: bf16 only with AVX512-BF16 or AMX-BF16 (oneDNN's native kernels); fp32 everywhere else.
+
+`describe()` is the one-line machine description every benchmark and documented figure carries.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Precision = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What the CPU reports. `capability` is `torch.backends.cpu.get_cpu_capability()` (`AVX2`, `AVX512`,
+    `DEFAULT`, ...); the flags say whether bf16 matmuls run natively."""
+
+    capability: str
+    avx512_bf16: bool = False
+    amx_bf16: bool = False
+    name: str = ""
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.avx512_bf16 or self.amx_bf16
+
+    def flags(self) -> str:
+        have = [f for f, on in (("avx512_bf16", self.avx512_bf16), ("amx_bf16", self.amx_bf16)) if on]
+        return ", ".join(have) if have else "no native bf16"
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This machine's CPU, from torch's own cpuinfo (torch >= 2.6) or `/proc/cpuinfo`."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    info = _torch_cpu_flags()
+    if info is None:
+        info = _proc_cpu_flags()
+    return CpuInfo(capability, info["avx512_bf16"], info["amx_bf16"], info["name"] or platform.processor())
+
+
+def _torch_cpu_flags() -> dict | None:
+    try:
+        raw = torch._C._cpu._get_cpu_capability()  # a dict of cpuinfo's flags (private; absent before 2.6)
+    except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(raw, dict) or "avx512_bf16" not in raw:
+        return None
+    return {
+        "avx512_bf16": bool(raw.get("avx512_bf16")),
+        "amx_bf16": bool(raw.get("amx_bf16")),
+        "name": str(raw.get("cpu_name", "")),
+    }
+
+
+def _proc_cpu_flags() -> dict:
+    flags: set[str] = set()
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags" and not flags:
+                flags = set(value.split())
+            elif key.strip() == "model name" and not name:
+                name = value.strip()
+    except OSError:
+        pass
+    return {"avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags, "name": name}
+
+
+def bf16_choice(device: torch.device | str, cpu: CpuInfo | None = None) -> tuple[bool, str]:
+    """Whether bf16 is the fast path on `device`, and why (for the log)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cuda"
+        return ok, f"{name} {'supports' if ok else 'does not support'} bf16"
+    if device.type != "cpu":
+        return False, f"device {device.type}: bf16 speed unknown, fp32 kept"
+    cpu = cpu or cpu_info()
+    if cpu.native_bf16:
+        return True, f"the CPU has native bf16 ({cpu.flags()}; capability {cpu.capability})"
+    return False, (
+        f"the CPU has no native bf16 (capability {cpu.capability}, no AVX512-BF16 or AMX): bf16 matmuls "
+        "are emulated there, tens of times slower than fp32"
+    )
+
+
+def resolve_bf16(setting: bool | str, device: torch.device | str, what: str = "train.bf16") -> bool:
+    """`True`/`False` as given; `"auto"` -> `bf16_choice`, logged with its reason."""
+    if setting != "auto":
+        return bool(setting)
+    ok, why = bf16_choice(device)
+    log.info("%s=auto -> %s: %s", what, "bf16" if ok else "fp32", why)
+    return ok
+
+
+def resolve_precision(name: Precision | str, device: torch.device | str, what: str = "dtype") -> str:
+    """A weights dtype name: `"auto"` -> `"bfloat16"` where bf16 is native on `device`, else `"float32"`."""
+    if name != "auto":
+        return name
+    ok, why = bf16_choice(device)
+    log.info("%s=auto -> %s: %s", what, "bfloat16" if ok else "float32", why)
+    return "bfloat16" if ok else "float32"
+
+
+def fast_dtypes(device: torch.device | str = "cpu") -> list[str]:
+    """The dtypes worth measuring on `device`: float32, plus bfloat16 where it is native (emulated bf16 is
+    ~45x slower on an AVX2 CPU: a benchmark of it would measure the emulation). Benchmarks' default."""
+    return ["float32", "bfloat16"] if bf16_choice(device)[0] else ["float32"]
+
+
+def describe() -> str:
+    """One line: CPU name, torch's capability, native bf16 flags, threads, torch version (and the GPU)."""
+    cpu = cpu_info()
+    line = (
+        f"{cpu.name or 'unknown CPU'} ({cpu.capability}, {cpu.flags()}), "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    if torch.cuda.is_available():
+        line += f", {torch.cuda.get_device_name(0)}"
+    return line
