@@ -38,7 +38,9 @@ class CpuInfo:
 
     @property
     def native_bf16(self) -> bool:
-        return self.avx512_bf16 or self.amx_bf16
+        # torch dispatching below AVX-512 (an AVX2 CPU, or ATEN_CPU_CAPABILITY=avx2) means no bf16 kernels
+        # of its own, whatever the flags say
+        return (self.avx512_bf16 or self.amx_bf16) and self.capability not in ("AVX2", "DEFAULT", "NO AVX")
 
     def flags(self) -> str:
         have = [f for f, on in (("avx512_bf16", self.avx512_bf16), ("amx_bf16", self.amx_bf16)) if on]
@@ -97,8 +99,8 @@ def bf16_choice(device: torch.device | str, cpu: CpuInfo | None = None) -> tuple
     if cpu.native_bf16:
         return True, f"the CPU has native bf16 ({cpu.flags()}; capability {cpu.capability})"
     return False, (
-        f"the CPU has no native bf16 (capability {cpu.capability}, no AVX512-BF16 or AMX): bf16 matmuls "
-        "are emulated there, tens of times slower than fp32"
+        f"no native bf16 here (torch capability {cpu.capability}, CPU flags: {cpu.flags()}): bf16 matmuls "
+        "are emulated, tens of times slower than fp32"
     )
 
 

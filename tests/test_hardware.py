@@ -14,10 +14,12 @@ AVX2 = CpuInfo("AVX2", name="AMD EPYC (AVX2 only)")
 AVX512_NO_BF16 = CpuInfo("AVX512", name="Intel Skylake-SP")
 AVX512_BF16 = CpuInfo("AVX512", avx512_bf16=True, name="AMD EPYC Zen 4")
 AMX = CpuInfo("AVX512", amx_bf16=True, name="Intel Sapphire Rapids")
+FORCED_AVX2 = CpuInfo("AVX2", avx512_bf16=True, name="Zen 4 with ATEN_CPU_CAPABILITY=avx2")
 
 
 @pytest.mark.parametrize(
-    ("cpu", "bf16"), [(AVX2, False), (AVX512_NO_BF16, False), (AVX512_BF16, True), (AMX, True)]
+    ("cpu", "bf16"),
+    [(AVX2, False), (AVX512_NO_BF16, False), (AVX512_BF16, True), (AMX, True), (FORCED_AVX2, False)],
 )
 def test_bf16_only_where_the_cpu_has_native_bf16(cpu, bf16):
     ok, why = bf16_choice("cpu", cpu)

@@ -442,3 +442,18 @@ def test_generate_cli_prints_tokens_kinds_routes_as_json(tiny, tmp_path, capsys)
     assert len(out["completion_ids"]) == len(out["kinds"]) == len(out["routes"]) == len(out["logprobs"]) == 6
     assert out["completion_ids"] == hf_greedy(model, prompt_ids(tok, "1, 2, 3,"), 6)
     assert set(out["routes"]) == {-1} and out["finish_reason"] == "length"
+
+
+def test_a_prompt_that_leaves_little_room_is_warned_about_once(tokenizer, caplog):
+    import logging
+
+    model, _ = rolerl.tiny_model("llama", tokenizer=tokenizer)
+    engine = Engine(model, tokenizer, max_batch=2, max_len=12)
+    sampling = SamplingParams(max_new_tokens=8, greedy=True)
+    with caplog.at_level(logging.WARNING, logger="rolerl.rollout.engine"):
+        turns = engine.generate([GenerationRequest(list(range(1, 9)), sampling) for _ in range(2)])
+    assert [t.finish_reason for t in turns] == ["length", "length"]
+    assert [len(t.completion_ids) for t in turns] == [4, 4]
+    (record,) = caplog.records
+    assert "leaves room for 4 of its 8 new tokens (max_len 12)" in record.getMessage()
+    assert Engine(model, tokenizer).max_len == model.config.max_position_embeddings
