@@ -65,13 +65,26 @@ class ModelConfig(Section):
 @dataclass
 class AdaptersConfig(Section):
     _name = "adapters"
-    preset: Literal["shared", "dart", "isolated"] = "shared"  # topology: which adapter each token trains
+    # topology: which adapter each token trains; masked = shared, trained only on `train_kinds`; none = base
+    # only (evaluation: nothing to train)
+    preset: Literal["shared", "dart", "isolated", "masked", "none"] = "shared"
+    train_kinds: list[str] | None = None  # kinds that carry loss, e.g. [reasoning]; None = every policy kind
     rank: int = 16  # LoRA rank of every adapter
     alpha: float | None = None  # LoRA alpha; None = 2 * rank
     target_modules: str | list[str] = "all-linear"  # 'all-linear', a path regex, or names [q_proj, ...]
     init: str | None = None  # a directory with one PEFT adapter per name (e.g. `rolerl sft` output)
 
     def check(self) -> None:
+        from rolerl.roles import POLICY_KINDS  # lazily: validating a config needs no torch until here
+
+        allowed = sorted(POLICY_KINDS)
+        kinds = self.train_kinds
+        self.require(
+            kinds is None or (bool(kinds) and set(kinds) <= POLICY_KINDS), "train_kinds",
+            f"null or a non-empty list of {allowed}",
+        )  # fmt: skip
+        if self.preset == "masked" and kinds is None:
+            raise ConfigError(f"adapters.preset='masked' needs adapters.train_kinds: a list of {allowed}")
         self.require(self.rank > 0, "rank", "an integer > 0")
         self.require(self.alpha is None or self.alpha > 0, "alpha", "None or a number > 0")
 

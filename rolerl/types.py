@@ -6,7 +6,7 @@ training uses those, never a re-tokenisation of text (DESIGN "every token carrie
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -142,13 +142,15 @@ def collate(
     weights: Sequence[float] | None = None,
     role_names: Sequence[str] | None = None,
     pad_id: int = 0,
+    loss_kinds: Mapping[str, Collection[str]] | None = None,
 ) -> TrainBatch:
     """Pad `turns` into a `TrainBatch`.
 
     `advantages[i]` is one float for the whole turn or one per completion token. `route_of[role]` is the
     role's `kind -> route` map (`Topology.route_of`); each turn's stored routes must equal `shift` of it
     (without `route_of` they must at least be a `shift` of some table). `role_names` fixes the role
-    index order (default: sorted roles of the batch).
+    index order (default: sorted roles of the batch). `loss_kinds[role]` narrows the kinds that carry loss
+    (`Topology.loss_kinds`, the `masked` preset; default: every policy kind); routes are never changed.
     """
     if len(advantages) != len(turns):
         raise ValueError(f"{len(advantages)} advantages for {len(turns)} turns")
@@ -184,7 +186,11 @@ def collate(
         if bool(torch.isnan(lp[policy]).any()):
             raise ValueError(f"turn {i} ({turn.role!r}): a sampled token has a NaN log-prob")
         cols = slice(n_prompt + skip - 1, n - 1)
-        loss_mask[i, cols] = policy.float()
+        trained = policy
+        if loss_kinds is not None and turn.role in loss_kinds:
+            keep = loss_kinds[turn.role]
+            trained = torch.tensor([k in keep for k in turn.kinds[skip:]], dtype=torch.bool) & policy
+        loss_mask[i, cols] = trained.float()
         adv[i, cols] = torch.where(policy, torch.tensor(per_token[skip:], dtype=torch.float32), 0.0)
         old_logp[i, cols] = torch.where(policy, lp, 0.0)
     if weights is not None and len(weights) != b:

@@ -9,15 +9,21 @@ turns into per-position routes. Presets (DESIGN "Preset defaults"):
   (DART's two token-routed adapters);
 - `isolated`: every kind of a role -> an adapter named after the role (IP), so serving one role's adapter
   with PEFT or vLLM computes exactly what training computed;
+- `masked`: the `shared` table, trained only on the kinds in `train_kinds` (e.g. reasoning only): every
+  token still runs through the adapter, only the chosen kinds carry loss (the interaction analysis needs
+  the reasoning-only and tool-only variants);
 - `none`: base model only (a frozen reference, or evaluation).
+
+`train_kinds[role]` is the set of kinds whose tokens carry loss for that role (default: every policy kind:
+reasoning, tool call, answer). It changes the loss mask only, never the routes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from rolerl.roles import KINDS, TOOL_CALL
+from rolerl.roles import KINDS, POLICY_KINDS, TOOL_CALL
 
 
 @dataclass(frozen=True)
@@ -26,11 +32,18 @@ class Topology:
 
     table: Mapping[tuple[str, str], str | None]
     preset: str = "custom"
+    train_kinds: Mapping[str, frozenset[str]] = field(default_factory=dict)  # role -> kinds with loss
 
     def __post_init__(self) -> None:
         roles = self.roles
         if not roles:
             raise ValueError("Topology.table is empty: give at least one role")
+        for role, kinds in self.train_kinds.items():
+            if role not in roles or not kinds or not set(kinds) <= POLICY_KINDS:
+                raise ValueError(
+                    f"Topology.train_kinds[{role!r}]={sorted(kinds)}; allowed: a role of the table "
+                    f"{roles} and a non-empty subset of {sorted(POLICY_KINDS)}"
+                )
         for role, kind in self.table:
             if kind not in KINDS:
                 raise ValueError(
@@ -41,14 +54,27 @@ class Topology:
             raise ValueError(f"Topology.table lacks {missing}; every role needs all kinds {list(KINDS)}")
 
     @classmethod
-    def from_preset(cls, name: str, roles: Sequence[str]) -> Topology:
-        """The preset `name` (one of `PRESETS`) for the workflow's `roles`."""
+    def from_preset(
+        cls, name: str, roles: Sequence[str], train_kinds: Sequence[str] | None = None
+    ) -> Topology:
+        """The preset `name` (one of `PRESETS`) for the workflow's `roles`; `train_kinds` (every role's
+        kinds with loss) is required by `masked` and narrows the loss of any other preset."""
         if name not in PRESETS:
             raise ValueError(f"unknown topology preset {name!r}; allowed: {sorted(PRESETS)}")
         if not roles or len(set(roles)) != len(roles) or not all(isinstance(r, str) and r for r in roles):
             raise ValueError(f"roles must be distinct non-empty names; got {list(roles)}")
+        if name == "masked" and not train_kinds:
+            raise ValueError(
+                f"the masked preset needs train_kinds: the kinds that carry loss, a non-empty subset of "
+                f"{sorted(POLICY_KINDS)} (e.g. [reasoning])"
+            )
         rule = PRESETS[name]
-        return cls({(r, k): rule(r, k) for r in roles for k in KINDS}, preset=name)
+        kinds = {r: frozenset(train_kinds) for r in roles} if train_kinds else {}
+        return cls({(r, k): rule(r, k) for r in roles for k in KINDS}, preset=name, train_kinds=kinds)
+
+    def loss_kinds(self, role: str) -> frozenset[str]:
+        """The kinds whose tokens carry loss for `role` (`train_kinds`, default every policy kind)."""
+        return self.train_kinds.get(role, POLICY_KINDS)
 
     @property
     def roles(self) -> list[str]:
@@ -102,6 +128,7 @@ def _none(role: str, kind: str) -> str | None:
 
 PRESETS: dict[str, Callable[[str, str], str | None]] = {
     "shared": _shared,
+    "masked": _shared,  # the shared table; `train_kinds` decides which kinds carry loss
     "dart": _dart,
     "isolated": _isolated,
     "none": _none,

@@ -46,8 +46,15 @@ class Policy:
         return list(adapter_specs(self.model))
 
     def trainable(self) -> list[nn.Parameter]:
-        """The adapters' parameters, in a fixed order (the optimizer's state is saved by position)."""
-        return [p for _, p in self.model.named_parameters() if p.requires_grad]
+        """The adapters' parameters, in a fixed order (the optimizer's state is saved by position); an error
+        when there are none (preset `none`: evaluation and references only)."""
+        params = [p for _, p in self.model.named_parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(
+                f"adapters.preset={self.topology.preset!r} gives the model no trainable adapter: nothing to "
+                "train (preset none is for evaluation and references)"
+            )
+        return params
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,7 +79,7 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
         model.to(device)
     else:
         model, tokenizer = load_model(spec, dtype=dtype, device=str(device))
-    topology = Topology.from_preset(cfg.adapters.preset, roles)
+    topology = Topology.from_preset(cfg.adapters.preset, roles, cfg.adapters.train_kinds)
     names = topology.adapter_names()
     targets = cfg.adapters.target_modules
     # LoRA's A is drawn from the global RNG: seed it from the run, so two same-seed runs start identical

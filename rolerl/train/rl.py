@@ -256,6 +256,7 @@ def train_step(
             policy.route_of,
             role_names=list(policy.route_of),
             pad_id=_pad_id(policy.tokenizer),
+            loss_kinds={role: policy.topology.loss_kinds(role) for role in policy.route_of},
         ).to(policy.device)
         settings = LossSettings(
             algorithm=cfg.algorithm,

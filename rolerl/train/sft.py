@@ -156,7 +156,10 @@ def sft(
     if not turns:
         raise ValueError(f"{cfg.sft.data!r} holds no assistant messages to imitate")
     pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
-    batch_all = collate(turns, [0.0] * len(turns), policy.route_of, role_names=roles, pad_id=pad)
+    loss_kinds = {role: policy.topology.loss_kinds(role) for role in roles}  # masked: the same kinds as RL
+    batch_all = collate(
+        turns, [0.0] * len(turns), policy.route_of, role_names=roles, pad_id=pad, loss_kinds=loss_kinds
+    )
     params = policy.trainable()
     steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
     o = cfg.optim

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rolerl.models.topology import PRESETS, Topology
-from rolerl.roles import KINDS, shift
+from rolerl.roles import KINDS, POLICY_KINDS, shift
 
 ROLES = ["reasoner", "coder"]
 
@@ -31,7 +31,18 @@ def test_presets_tables():
 
     none = Topology.from_preset("none", ROLES)
     assert none.adapter_names() == [] and none.route_of("coder", {}) == dict.fromkeys(KINDS, -1)
-    assert sorted(PRESETS) == ["dart", "isolated", "none", "shared"]
+    assert sorted(PRESETS) == ["dart", "isolated", "masked", "none", "shared"]
+
+    masked = Topology.from_preset("masked", ROLES, ["reasoning"])
+    assert masked.table == shared.table  # the same routes: only the loss differs
+    assert masked.loss_kinds("coder") == {"reasoning"} and shared.loss_kinds("coder") == set(POLICY_KINDS)
+
+
+def test_masked_needs_policy_kinds():
+    with pytest.raises(ValueError, match="masked preset needs train_kinds"):
+        Topology.from_preset("masked", ROLES)
+    with pytest.raises(ValueError, match=r"train_kinds\['reasoner'\]=\['tool_output'\]; allowed"):
+        Topology.from_preset("masked", ROLES, ["tool_output"])
 
 
 def test_route_of_resolves_model_indices():
