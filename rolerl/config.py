@@ -69,6 +69,9 @@ class AdaptersConfig(Section):
     # only (evaluation: nothing to train)
     preset: Literal["shared", "dart", "isolated", "masked", "none"] = "shared"
     train_kinds: list[str] | None = None  # kinds that carry loss, e.g. [reasoning]; None = every policy kind
+    # route: a token's loss reaches every adapter it depends on (through attention); strict: only the adapter
+    # that computes its position (DART's gradient masking; one backward per adapter)
+    isolation: Literal["route", "strict"] = "route"
     rank: int = 16  # LoRA rank of every adapter
     alpha: float | None = None  # LoRA alpha; None = 2 * rank
     target_modules: str | list[str] = "all-linear"  # 'all-linear', a path regex, or names [q_proj, ...]

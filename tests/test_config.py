@@ -59,7 +59,10 @@ def test_yaml_and_overrides_with_type_coercion(tmp_path):
             ["algorithm.loss_agg=mean"],
             r"algorithm.loss_agg='mean'; allowed: \['token-mean', 'seq-mean-token-mean'",
         ),
-        (["adapters.preset=mixed"], r"adapters.preset='mixed'; allowed: \['shared', 'dart', 'isolated', 'masked', 'none'\]"),
+        (
+            ["adapters.preset=mixed"],
+            r"adapters.preset='mixed'; allowed: \['shared', 'dart', 'isolated', 'masked', 'none'\]",
+        ),
         (["train.steps=0"], r"train.steps=0; allowed: an integer >= 1"),
         (["optim.lr=-1"], r"optim.lr=-1.0; allowed: a number > 0"),
         (["algorithm.clip_c=0.5"], r"algorithm.clip_c=0.5; allowed: None or a number > 1"),

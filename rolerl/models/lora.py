@@ -283,6 +283,17 @@ def adapter_specs(model: nn.Module) -> dict[str, AdapterSpec]:
     return dict(state.adapters) if state else {}
 
 
+def adapter_parameters(model: nn.Module) -> dict[int, list[nn.Parameter]]:
+    """Route index -> that adapter's parameters (A and B of every layer it wraps), in a fixed order."""
+    names = list(adapter_specs(model))
+    out: dict[int, list[nn.Parameter]] = {i: [] for i in range(len(names))}
+    for _, layer in routed_layers(model):
+        for i, name in enumerate(names):
+            if name in layer.lora_A:
+                out[i] += [layer.lora_A[name], layer.lora_B[name]]
+    return out
+
+
 def _candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Linear layers inside the decoder blocks (never the LM head or the embeddings)."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -26,6 +26,7 @@ import yaml
 
 from rolerl.algorithms import ADVANTAGES, zero_variance_mask
 from rolerl.config import Config
+from rolerl.models.lora import adapter_parameters
 from rolerl.progress import ProgressBar
 from rolerl.roles import POLICY_KINDS
 from rolerl.rollout.engine import Engine
@@ -265,6 +266,8 @@ def train_step(
             chunk_size=cfg.train.logprob_chunk,
             bf16=policy.bf16,
             share_prefix=cfg.train.share_prefix,
+            isolation=cfg.adapters.isolation,
+            adapter_params=adapter_parameters(policy.model) if cfg.adapters.isolation == "strict" else {},
         )
         generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "shuffle", step))
         # The model stays in eval mode: RL wants no dropout (the rollout had none), and train mode makes HF

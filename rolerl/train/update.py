@@ -34,6 +34,10 @@ class LossSettings:
     chunk_size: int = 512
     bf16: bool = False
     share_prefix: bool = True  # one forward per distinct prompt of a micro-batch (rolerl.train.prefix)
+    # route: a token's loss reaches every adapter it depends on; strict: only the adapter of its position
+    # (DART's gradient masking; `adapters.isolation`). Strict needs `adapter_params`.
+    isolation: str = "route"
+    adapter_params: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # route -> its parameters
 
     def logprob_args(self) -> dict:
         return {
@@ -98,6 +102,16 @@ def micro_batch_loss(
     """`(loss, metrics, logp)` of one micro-batch. `loss` is normalised by the mini-batch's `norm`, so
     micro-batch losses (and gradients) sum to the full one. `logp` `(b, T-1)` is detached (for the
     rollout/trainer mismatch)."""
+    weighted, metrics, logp = loss_terms(model, mb, aligned, norm, s)
+    return aggregate(weighted, mb.loss_mask[:, :-1], s.algorithm.loss_agg, norm), metrics, logp
+
+
+def loss_terms(
+    model: nn.Module, mb: TrainBatch, aligned: Aligned, norm: AggNorm, s: LossSettings
+) -> tuple[Tensor, dict[str, float], Tensor]:
+    """`(weighted, metrics, logp)`: the per-token loss `(b, T-1)` (PPO clip, KL, entropy, times the
+    sequence weight) before aggregation, which is linear in it: role shares and strict isolation
+    aggregate parts of it with the same normaliser."""
     alg = s.algorithm
     mask = mb.loss_mask[:, :-1]  # (b, T-1)
     with autocast(mb.input_ids.device, s.bf16):
@@ -138,7 +152,34 @@ def micro_batch_loss(
             metrics[f"role/{name}/loss"] = float(
                 aggregate(weighted.detach() * rows, mask, alg.loss_agg, norm)
             )
-    return aggregate(weighted, mask, alg.loss_agg, norm), metrics, logp.detach()
+    return weighted, metrics, logp.detach()
+
+
+def backward(weighted: Tensor, mb: TrainBatch, norm: AggNorm, s: LossSettings) -> Tensor:
+    """Backpropagate one micro-batch's loss; returns it (detached).
+
+    `route`: one backward of the whole loss. `strict` (DART's gradient masking): the loss at a position
+    reaches only the adapter that computes that position (`routes[p]`, the adapter of the token it
+    predicts), one `autograd.grad` per adapter over the same graph; attention would otherwise carry a
+    tool token's loss into the reasoning adapter's keys and values. Positions routed to the base (-1)
+    train nothing under strict. Aggregation is linear, so the parts add up to the loss of `route`."""
+    mask, agg = mb.loss_mask[:, :-1], s.algorithm.loss_agg
+    if s.isolation == "route":
+        loss = aggregate(weighted, mask, agg, norm)
+        loss.backward()
+        return loss.detach()
+    at = mb.routes[:, :-1]  # (b, T-1): the adapter of each loss position
+    present = [a for a in s.adapter_params if bool(((at == a) & (mask > 0)).any())]
+    total = weighted.new_zeros(())
+    for i, a in enumerate(present):
+        part = aggregate(weighted * (at == a), mask, agg, norm)
+        params = s.adapter_params[a]
+        grads = torch.autograd.grad(part, params, retain_graph=i < len(present) - 1, allow_unused=True)
+        for p, g in zip(params, grads, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        total = total + part.detach()
+    return total
 
 
 def _part(per_token: Tensor, mb: TrainBatch, mask: Tensor, alg: AlgorithmConfig, norm: AggNorm) -> float:
@@ -168,9 +209,8 @@ def accumulate_gradients(
         rows = list(range(start, min(start + micro_batch_size, b)))
         mb = select_rows(batch, rows)
         width = mb.input_ids.shape[1]
-        loss, metrics, logp = micro_batch_loss(model, mb, aligned.rows(rows, width), norm, s)
-        loss.backward()
-        total += float(loss.detach())
+        weighted, metrics, logp = loss_terms(model, mb, aligned.rows(rows, width), norm, s)
+        total += float(backward(weighted, mb, norm, s))
         sums.add(float(mb.loss_mask.sum()), metrics)
         logp_all[rows, : width - 1] = logp.to(logp_all.dtype)
         tick()
