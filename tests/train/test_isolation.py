@@ -60,3 +60,43 @@ def test_strict_parts_add_up_to_the_loss_of_route(tokenizer):
     for name in ("reason", "tool"):
         diff = max(float((a - b).abs().max()) for a, b in zip(of(strict, name), of(route, name), strict=True))
         assert diff > 1e-6 and all(bool(v.abs().sum() > 0) for v in of(strict, name))
+
+
+def test_an_adapter_that_computed_no_position_is_not_stepped(tokenizer):
+    """AdamW moves a parameter with a zero gradient (momentum, weight decay) but skips one whose gradient is
+    None: a routed layer computes only the adapters its tokens use, so the tool adapter of a mini-batch
+    without tool calls gets no gradient and stays bit-identical, weights and optimizer state (issue 13)."""
+    import math
+
+    from rolerl.roles import ANSWER, REASONING, shift
+    from rolerl.train.update import ppo_update
+    from rolerl.types import Turn, collate
+
+    model, _, route_of = dart_model(tokenizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    s = settings()  # route isolation
+
+    def update(batch):
+        ppo_update(model, params, optimizer, batch, s, ppo_epochs=1, mini_batches=1, micro_batch_size=4,
+                   grad_clip=1.0, generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    update(hand_batch(model, route_of))  # tool calls: both adapters step, Adam state for both
+    tool = adapter_parameters(model)[1]
+    before = [p.detach().clone() for p in tool]
+    state = {i: {k: v.clone() for k, v in optimizer.state[p].items()} for i, p in enumerate(tool)}
+    kinds = [REASONING] * 4 + [ANSWER] * 2
+    turns = [
+        Turn("policy", [5, 6, 7], [8 + i, 9, 10, 11, 12, 13], kinds, shift(["prompt"] * 3 + kinds, route_of),
+             [-1.0] * len(kinds))
+        for i in range(3)
+    ]  # fmt: skip
+    no_tools = collate(turns, [1.0, -1.0, 0.5], {"policy": route_of}, pad_id=2)
+    assert 1 not in no_tools.routes.unique().tolist()
+    reason_before = [p.detach().clone() for p in adapter_parameters(model)[0]]
+    update(no_tools)
+    assert all(torch.equal(b, p) for b, p in zip(before, tool, strict=True))
+    for i, p in enumerate(tool):
+        assert all(torch.equal(state[i][k], v) for k, v in optimizer.state[p].items())
+    moved = [not torch.equal(b, p) for b, p in zip(reason_before, adapter_parameters(model)[0], strict=True)]
+    assert any(moved) and not math.isnan(float(adapter_parameters(model)[0][0].detach().sum()))
