@@ -22,10 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from rolerl.algorithms import ADVANTAGES, zero_variance_mask
-from rolerl.config import Config
+from rolerl.config import Config, ConfigError, load_config
 from rolerl.models.lora import adapter_parameters
 from rolerl.progress import ProgressBar
 from rolerl.roles import POLICY_KINDS
@@ -207,8 +206,8 @@ def _restore(cfg: Config, policy: Policy, optimizer: torch.optim.Optimizer) -> i
 def _config_steps(path: Path) -> int | None:
     """`train.steps` of a run's saved config (checkpoints written before `extra` carried it)."""
     try:
-        return int(yaml.safe_load(path.read_text())["train"]["steps"])
-    except Exception:  # a missing or hand-edited file: then we cannot tell, and say nothing
+        return load_config(path).train.steps
+    except (ConfigError, OSError):  # a missing or hand-edited file: then we cannot tell, and say nothing
         return None
 
 

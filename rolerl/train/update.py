@@ -96,22 +96,14 @@ class Aligned:
         return Aligned(self.old_logp[rows, :width], w)
 
 
-def micro_batch_loss(
-    model: nn.Module, mb: TrainBatch, aligned: Aligned, norm: AggNorm, s: LossSettings
-) -> tuple[Tensor, dict[str, float], Tensor]:
-    """`(loss, metrics, logp)` of one micro-batch. `loss` is normalised by the mini-batch's `norm`, so
-    micro-batch losses (and gradients) sum to the full one. `logp` `(b, T-1)` is detached (for the
-    rollout/trainer mismatch)."""
-    weighted, metrics, logp = loss_terms(model, mb, aligned, norm, s)
-    return aggregate(weighted, mb.loss_mask[:, :-1], s.algorithm.loss_agg, norm), metrics, logp
-
-
 def loss_terms(
     model: nn.Module, mb: TrainBatch, aligned: Aligned, norm: AggNorm, s: LossSettings
 ) -> tuple[Tensor, dict[str, float], Tensor]:
-    """`(weighted, metrics, logp)`: the per-token loss `(b, T-1)` (PPO clip, KL, entropy, times the
-    sequence weight) before aggregation, which is linear in it: role shares and strict isolation
-    aggregate parts of it with the same normaliser."""
+    """`(weighted, metrics, logp)` of one micro-batch: the per-token loss `(b, T-1)` (PPO clip, KL,
+    entropy, times the sequence weight) before aggregation, which is linear in it: `backward` aggregates
+    it whole or per adapter, role shares in parts, all with the mini-batch's `norm`, so micro-batch losses
+    (and gradients) sum to the full one. `logp` `(b, T-1)` is detached (for the rollout/trainer
+    mismatch)."""
     alg = s.algorithm
     mask = mb.loss_mask[:, :-1]  # (b, T-1)
     with autocast(mb.input_ids.device, s.bf16):

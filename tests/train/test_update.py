@@ -17,8 +17,8 @@ from rolerl.train.update import (
     Aligned,
     LossSettings,
     accumulate_gradients,
+    loss_terms,
     lr_factor,
-    micro_batch_loss,
     ppo_update,
 )
 from rolerl.types import Turn, collate
@@ -118,7 +118,7 @@ def test_kl_is_exactly_zero_when_adapters_are_zero(tokenizer, kl):
     from rolerl.algorithms import AggNorm
 
     norm = AggNorm.of(batch.loss_mask, horizon=16)
-    _, metrics, _ = micro_batch_loss(model, batch, Aligned(batch.old_logp), norm, settings(beta=0.5, kl=kl))
+    _, metrics, _ = loss_terms(model, batch, Aligned(batch.old_logp), norm, settings(beta=0.5, kl=kl))
     # Exact, not close: B = 0 makes each routed layer add exact zeros, so the policy and the reference
     # (route -1) forwards compute the same values with the same ops, and k1, k3 of equal log-probs are 0.
     assert metrics["kl"] == 0.0 and metrics["loss/kl"] == 0.0
@@ -130,7 +130,7 @@ def test_kl_is_exactly_zero_when_adapters_are_zero(tokenizer, kl):
     )  # fmt: skip
     assert update["kl"] == 0.0 and update["loss/kl"] == 0.0
     randomize_adapters(model, seed=1, std=0.1)
-    _, metrics, _ = micro_batch_loss(model, batch, Aligned(batch.old_logp), norm, settings(beta=0.5, kl=kl))
+    _, metrics, _ = loss_terms(model, batch, Aligned(batch.old_logp), norm, settings(beta=0.5, kl=kl))
     assert metrics["kl"] != 0.0
 
 
