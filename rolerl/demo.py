@@ -130,7 +130,8 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
             run=dataclasses.replace(cfg.run, dir=str(root / "sft")),
             sft=dataclasses.replace(cfg.sft, data=str(data)),
         )
-        sft(sft_cfg, policy=policy, overwrite=True)  # results.json guards a finished demo
+        # every policy kind: the warm start teaches the whole format even when RL trains only some kinds
+        sft(sft_cfg, policy=policy, overwrite=True, every_kind=True)  # results.json guards a finished demo
         results["sft_s"] = time.perf_counter() - t0
         log("3/5 evaluating the warm start")
         warm = run_eval("warm")

@@ -27,7 +27,7 @@ from rolerl.algorithms import ADVANTAGES, zero_variance_mask
 from rolerl.config import Config, ConfigError, load_config
 from rolerl.models.lora import adapter_parameters
 from rolerl.progress import ProgressBar
-from rolerl.roles import POLICY_KINDS
+from rolerl.roles import KINDS, POLICY_KINDS, PROMPT
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
@@ -345,8 +345,7 @@ def episode_metrics(episodes: Sequence[Episode], policy: Policy) -> dict[str, fl
     out = {
         "reward/mean": float(rewards.mean()) if len(rewards) else math.nan,
         "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "accuracy": sum(bool(e.metadata.get("correct", e.reward >= 1.0)) for e in episodes)
-        / max(len(episodes), 1),
+        "accuracy": sum(_correct(e) for e in episodes) / max(len(episodes), 1),
         "episodes": float(len(episodes)),
         "response_length/mean": sum(len(t.completion_ids) for t in turns) / max(len(turns), 1),
         "truncated_frac": sum(t.finish_reason == "length" for t in turns) / max(len(turns), 1),
@@ -363,7 +362,18 @@ def episode_metrics(episodes: Sequence[Episode], policy: Policy) -> dict[str, fl
         if rewards_of:
             out[f"role/{role}/reward_mean"] = sum(rewards_of) / len(rewards_of)
         out[f"role/{role}/tokens"] = float(sum(k in POLICY_KINDS for t in mine for k in t.kinds))
+        acted = [e for e in episodes if any(t.role == role for t in e.turns)]
+        if acted:  # the outcome of the episodes the role took part in
+            out[f"role/{role}/accuracy"] = sum(_correct(e) for e in acted) / len(acted)
+    kinds = Counter(k for t in turns for k in t.kinds)
+    for kind in KINDS:
+        if kind != PROMPT:
+            out[f"kind/{kind}/tokens"] = float(kinds[kind])
     return out
+
+
+def _correct(episode: Episode) -> bool:
+    return bool(episode.metadata.get("correct", episode.reward >= 1.0))
 
 
 def seed_everything(seed: int) -> None:

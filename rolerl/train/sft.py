@@ -135,13 +135,20 @@ def sft_loss(
 
 
 def sft(
-    cfg: Config, roles: Sequence[str] | None = None, *, policy: Policy | None = None, overwrite: bool = False
+    cfg: Config,
+    roles: Sequence[str] | None = None,
+    *,
+    policy: Policy | None = None,
+    overwrite: bool = False,
+    every_kind: bool = False,
 ) -> Path:
     """Train the adapters on `cfg.sft.data`; write them to `cfg.run.dir/adapters/<name>` (PEFT dirs).
 
     `policy` trains an already built model in place (e.g. `rolerl demo`, which then evaluates and RL-trains
     it); by default the model and adapters `cfg` names are built for `roles` (default: the data's roles).
-    A `run.dir` that already holds a run is refused (its metrics would mix) unless `overwrite`."""
+    A `run.dir` that already holds a run is refused (its metrics would mix) unless `overwrite`. The loss
+    covers the kinds `adapters.train_kinds` names, as in RL, unless `every_kind` (`rolerl demo`'s warm start
+    teaches the whole tool format, then RL trains only the chosen kinds)."""
     data = read_demonstrations(cfg.sft.data)
     prepare_run_dir(cfg.run.dir, "sft", overwrite=overwrite)
     if policy is None:
@@ -156,7 +163,7 @@ def sft(
     if not turns:
         raise ValueError(f"{cfg.sft.data!r} holds no assistant messages to imitate")
     pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
-    loss_kinds = {role: policy.topology.loss_kinds(role) for role in roles}  # masked: the same kinds as RL
+    loss_kinds = None if every_kind else {role: policy.topology.loss_kinds(role) for role in roles}
     batch_all = collate(
         turns, [0.0] * len(turns), policy.route_of, role_names=roles, pad_id=pad, loss_kinds=loss_kinds
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from rolerl.algorithms import KL_ESTIMATORS, AggNorm, aggregate, logp_mismatch, masked_mean, ppo_clip_loss
 from rolerl.algorithms.losses import tis_weights
 from rolerl.config import AlgorithmConfig, OptimConfig
+from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
 from rolerl.train.policy import autocast, select_rows, token_logprobs
 from rolerl.types import TrainBatch
 
@@ -47,38 +49,54 @@ class LossSettings:
         }
 
 
+class Mean(NamedTuple):
+    """A metric that is a mean over its own tokens (a role's, a kind's): `Sums` weighs it by `count`."""
+
+    value: float
+    count: float
+
+
 @dataclass
 class Sums:
-    """Metrics over micro-batches: loss parts (`loss/*`, `role/<r>/loss`; already globally normalised) add
-    up, `*_max`/`*_min` take the extreme, everything else is a mean weighted by loss tokens."""
+    """Metrics over micro-batches: loss parts (`loss/*`, `*/loss`; already globally normalised) and
+    `*/loss_tokens` add up (then are averaged over optimizer steps),
+    `*_max`/`*_min` take the extreme, a `Mean` is weighted by its own count, everything else is a mean
+    weighted by the micro-batch's loss tokens."""
 
     tokens: float = 0.0
-    weighted: dict[str, float] = field(default_factory=dict)
+    weighted: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum of value x weight, weight]
     totals: dict[str, float] = field(default_factory=dict)
     maxima: dict[str, float] = field(default_factory=dict)
     minima: dict[str, float] = field(default_factory=dict)
 
-    def add(self, n: float, metrics: dict[str, float]) -> None:
+    def add(self, n: float, metrics: dict[str, float | Mean]) -> None:
         self.tokens += n
         for k, v in metrics.items():
-            if k.startswith("loss/") or k.endswith("/loss"):
+            if isinstance(v, Mean):
+                self._weigh(k, v.value * v.count, v.count)
+            elif k.startswith("loss/") or k.endswith(("/loss", "/loss_tokens")):
                 self.totals[k] = self.totals.get(k, 0.0) + v
             elif k.endswith("_max"):
                 self.maxima[k] = max(self.maxima.get(k, float("-inf")), v)
             elif k.endswith("_min"):
                 self.minima[k] = min(self.minima.get(k, float("inf")), v)
             else:
-                self.weighted[k] = self.weighted.get(k, 0.0) + v * n
+                self._weigh(k, v * n, n)
+
+    def _weigh(self, k: str, value: float, weight: float) -> None:
+        acc = self.weighted.setdefault(k, [0.0, 0.0])
+        acc[0] += value
+        acc[1] += weight
 
     def merge(self, other: Sums) -> None:
         self.tokens += other.tokens
-        for k, v in other.weighted.items():
-            self.weighted[k] = self.weighted.get(k, 0.0) + v
+        for k, (value, weight) in other.weighted.items():
+            self._weigh(k, value, weight)
         self.add(0.0, other.totals | other.maxima | other.minima)
 
     def result(self, optimizer_steps: int = 1) -> dict[str, float]:
         """Means per token, loss parts per optimizer step, extremes as they are."""
-        out = {k: v / max(self.tokens, 1.0) for k, v in self.weighted.items()}
+        out = {k: v / max(w, 1.0) for k, (v, w) in self.weighted.items()}
         out |= {k: v / max(optimizer_steps, 1) for k, v in self.totals.items()}
         return out | self.maxima | self.minima
 
@@ -137,14 +155,29 @@ def loss_terms(
     metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
     metrics["loss/pg"] = _part(pg.per_token, mb, mask, alg, norm)
     weighted = per_token * mb.weights[:, None].to(per_token.dtype)  # (b, T-1) per-sequence weights
-    # Each role's share of the loss: aggregation is linear in the loss matrix, so the shares add up to it.
-    for r, name in enumerate(mb.role_names):
-        rows = (mb.role_index[:, 0] == r)[:, None]  # (b, 1)
-        if bool(rows.any()):
-            metrics[f"role/{name}/loss"] = float(
-                aggregate(weighted.detach() * rows, mask, alg.loss_agg, norm)
-            )
+    metrics |= split_metrics(weighted.detach(), entropy.detach(), adv, mb, norm, alg.loss_agg)
     return weighted, metrics, logp.detach()
+
+
+def split_metrics(
+    weighted: Tensor, entropy: Tensor, adv: Tensor, mb: TrainBatch, norm: AggNorm, agg: str
+) -> dict[str, float | Mean]:
+    """Per role and per kind of target token: its part of the aggregated loss (aggregation is linear in
+    the loss matrix, so the parts add up to the loss), its loss tokens, mean entropy and mean advantage."""
+    mask = mb.loss_mask[:, :-1] > 0  # (b, T-1)
+    target = mb.kind_ids[:, 1:]  # (b, T-1): the kind of the token each position predicts
+    parts = {f"role/{name}": (mb.role_index[:, :1] == r) & mask for r, name in enumerate(mb.role_names)}
+    parts |= {f"kind/{k}": (target == KIND_INDEX[k]) & mask for k in KINDS if k in POLICY_KINDS}
+    out: dict[str, float | Mean] = {}
+    for name, where in parts.items():
+        n = float(where.sum())
+        if n == 0:
+            continue
+        out[f"{name}/loss"] = float(aggregate(weighted * where, mb.loss_mask[:, :-1], agg, norm))
+        out[f"{name}/entropy"] = Mean(float(entropy[where].float().mean()), n)
+        out[f"{name}/advantage"] = Mean(float(adv[where].float().mean()), n)
+        out[f"{name}/loss_tokens"] = n  # per optimizer step, like the loss parts
+    return out
 
 
 def backward(weighted: Tensor, mb: TrainBatch, norm: AggNorm, s: LossSettings) -> Tensor:
