@@ -296,7 +296,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
         policy = build_policy(cfg, workflow.roles)
         after_load = rss_mb()
         params = policy.trainable()
-        optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), weight_decay=0.01)
+        optimizer = policy.optimizer(cfg.optim)  # AdamW, lr LR, betas (0.9, 0.999), weight decay 0.01
         engine = Engine(policy.model, policy.tokenizer, max_batch=cfg.rollout.max_batch)
         backend = LockstepBackend(engine)
         after_init = rss_mb()

@@ -47,7 +47,9 @@ def _load(spec: str, dtype: str):
 
     name = resolve_precision(dtype, "cpu", "--dtype")
     if spec.startswith("tiny:"):
-        return rolerl.tiny_model(spec.split(":", 1)[1], dtype=resolve_dtype(name))
+        from rolerl.models.tiny import tiny_from_spec
+
+        return tiny_from_spec(spec, dtype=resolve_dtype(name))
     return rolerl.load_model(spec, dtype=name)
 
 

@@ -63,17 +63,38 @@ class ModelConfig(Section):
 
 
 @dataclass
+class AdapterConfig(Section):
+    """One adapter's own settings (`adapters.per_adapter.<name>`); None = the `adapters`/`optim` value."""
+
+    _name = "adapters.per_adapter.<name>"
+    rank: int | None = None  # LoRA rank; None = adapters.rank
+    alpha: float | None = None  # LoRA alpha; None = adapters.alpha (2 x rank when that is None)
+    lr: float | None = None  # peak learning rate; None = optim.lr x the roles' lr_scale
+    trainable: bool = True  # false: a frozen adapter (e.g. a warm-started tool agent held fixed)
+
+    def check(self) -> None:
+        self.require(self.rank is None or self.rank > 0, "rank", "null or an integer > 0")
+        self.require(self.alpha is None or self.alpha > 0, "alpha", "null or a number > 0")
+        self.require(self.lr is None or self.lr > 0, "lr", "null or a number > 0")
+
+
+@dataclass
 class AdaptersConfig(Section):
     _name = "adapters"
-    # topology: which adapter each token trains; masked = shared, trained only on `train_kinds`; none = base
+    # topology: which adapter each token trains; masked = shared, trained only on `train_kinds`; separate = an
+    # adapter per role on that role's own model (`roles.<r>.model`, `models`); custom = `table`; none = base
     # only (evaluation: nothing to train)
-    preset: Literal["shared", "dart", "isolated", "masked", "none"] = "shared"
+    preset: Literal["shared", "dart", "isolated", "masked", "separate", "custom", "none"] = "shared"
+    # preset custom: role -> adapter (every kind), or role -> {kind: adapter or null, default: adapter or null};
+    # a kind not listed takes `default`, and a policy kind of a role must end up mapped (null = base only)
+    table: dict[str, str | dict[str, str | None]] | None = None
     train_kinds: list[str] | None = None  # kinds that carry loss, e.g. [reasoning]; None = every policy kind
     # route: a token's loss reaches every adapter it depends on (through attention); strict: only the adapter
     # that computes its position (DART's gradient masking; one backward per adapter)
     isolation: Literal["route", "strict"] = "route"
-    rank: int = 16  # LoRA rank of every adapter
+    rank: int = 16  # LoRA rank of every adapter (per adapter: per_adapter.<name>.rank)
     alpha: float | None = None  # LoRA alpha; None = 2 * rank
+    per_adapter: dict[str, AdapterConfig] = field(default_factory=dict)  # name -> rank, alpha, lr, trainable
     target_modules: str | list[str] = "all-linear"  # 'all-linear', a path regex, or names [q_proj, ...]
     init: str | None = None  # a directory with one PEFT adapter per name (e.g. `rolerl sft` output)
 
@@ -81,15 +102,23 @@ class AdaptersConfig(Section):
         from rolerl.roles import POLICY_KINDS  # lazily: validating a config needs no torch until here
 
         allowed = sorted(POLICY_KINDS)
-        kinds = self.train_kinds
-        self.require(
-            kinds is None or (bool(kinds) and set(kinds) <= POLICY_KINDS), "train_kinds",
-            f"null or a non-empty list of {allowed}",
-        )  # fmt: skip
-        if self.preset == "masked" and kinds is None:
+        self.require(_kinds_ok(self.train_kinds), "train_kinds", f"null or a non-empty list of {allowed}")
+        if self.preset == "masked" and self.train_kinds is None:
             raise ConfigError(f"adapters.preset='masked' needs adapters.train_kinds: a list of {allowed}")
+        if (self.preset == "custom") != (self.table is not None):
+            raise ConfigError(
+                f"adapters.table is {'set' if self.table is not None else 'missing'} with adapters.preset="
+                f"{self.preset!r}: a table goes with preset custom, and preset custom needs a table "
+                "(role -> adapter, or role -> {kind: adapter})"
+            )
         self.require(self.rank > 0, "rank", "an integer > 0")
         self.require(self.alpha is None or self.alpha > 0, "alpha", "None or a number > 0")
+
+
+def _kinds_ok(kinds: list[str] | None) -> bool:
+    from rolerl.roles import POLICY_KINDS
+
+    return kinds is None or (bool(kinds) and set(kinds) <= POLICY_KINDS)
 
 
 @dataclass
@@ -149,8 +178,36 @@ class AlgorithmConfig(Section):
     old_logp: Literal["rollout", "recompute"] = "rollout"  # PPO's old log-probs: the engine's or recomputed
     tis_cap: float | None = None  # truncated importance sampling cap (needs old_logp=recompute); None = off
     filter_zero_variance: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
+    # A call's reward: outcome = the episode's; role = the call's own (`Turn.reward`), else its role's
+    # (`Episode.role_rewards`), else the outcome; mix = mix_alpha x outcome + the call's or role's own (0 if none)
+    reward: Literal["outcome", "role", "mix"] = "role"
+    mix_alpha: float = 1.0  # the team (outcome) term's weight under reward=mix
+    # GRPO's std: group = of the advantage group's rewards; role = of each role's group-centred rewards
+    # over the whole step (Dr. MAS's per-agent normalisation: every role's advantages get unit scale)
+    norm: Literal["group", "role"] = "group"
+    # Each role's share of the loss: aggregate = whatever loss_agg gives (seq-mean modes: its share of the
+    # outputs, token-mean: of the tokens); outputs / tokens = that share whatever the aggregation; equal =
+    # 1/R each; or {role: weight} (normalised to sum 1). roles.<r>.loss_weight multiplies on top.
+    role_share: Literal["aggregate", "outputs", "tokens", "equal"] | dict[str, float] = "aggregate"
 
     def check(self) -> None:
+        if isinstance(self.role_share, dict):
+            self.require(
+                bool(self.role_share) and all(w >= 0 for w in self.role_share.values())
+                and sum(self.role_share.values()) > 0, "role_share",
+                "aggregate, outputs, tokens, equal, or {role: weight >= 0} with a positive sum",
+            )  # fmt: skip
+        else:
+            self.require(
+                self.role_share in ("aggregate", "outputs", "tokens", "equal"), "role_share",
+                "aggregate, outputs, tokens, equal, or {role: weight}",
+            )  # fmt: skip
+        self.require(self.mix_alpha >= 0, "mix_alpha", "a number >= 0")
+        if self.norm == "role" and self.advantage != "grpo":
+            raise ConfigError(
+                f"algorithm.norm='role' sets GRPO's std per role, but algorithm.advantage={self.advantage!r} "
+                "divides by no std; use advantage=grpo or norm=group"
+            )
         self.require(0 <= self.clip_low < 1, "clip_low", "a number in [0, 1)")
         self.require(self.clip_high >= 0, "clip_high", "a number >= 0")
         self.require(self.clip_c is None or self.clip_c > 1, "clip_c", "None or a number > 1")
@@ -170,7 +227,8 @@ class OptimConfig(Section):
     warmup_steps: int = 0  # linear warm-up, in training steps
     schedule: Literal["cosine", "constant"] = "cosine"  # after warm-up
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    grad_clip: float = 1.0  # max grad norm; 0 = off
+    clip_scope: Literal["global", "group"] = "global"  # grad_clip over all adapters at once, or each alone
     weight_decay: float = 0.01  # AdamW decoupled weight decay (verl default)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
 
@@ -191,6 +249,12 @@ class TrainConfig(Section):
     steps: int = 100  # training steps (one rollout batch each)
     tasks_per_step: int = 4  # tasks per step; each is rolled out rollout.n times
     mini_batches: int = 1  # optimizer steps per PPO epoch (the batch is split into this many)
+    mini_batch_size: int | None = (
+        None  # rows per mini-batch instead (the last may be smaller); None = mini_batches
+    )
+    # batch: mini-batches mix every role's rows; role: each role's rows are cut into their own mini-batches
+    # (verl's update per role: a role with k times the calls fills k times the mini-batches)
+    mini_batch_by: Literal["batch", "role"] = "batch"
     ppo_epochs: int = 1  # passes over each step's batch
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate (exactly)
     # bf16 autocast for the training forward; auto = on where bf16 is native (GPU, or a CPU with AVX512-BF16
@@ -198,6 +262,10 @@ class TrainConfig(Section):
     bf16: bool | Literal["auto"] = "auto"
     logprob_chunk: int = 512  # positions per chunk in the log-prob computation
     share_prefix: bool = True  # compute a prompt shared by several rows (a GRPO group) once per micro-batch
+    # per_minibatch: each mini-batch is one optimizer step of every adapter it touched (an adapter whose role
+    # fills k mini-batches takes k steps); merged: each adapter takes one step per PPO epoch, its gradient
+    # accumulated over every mini-batch (each mini-batch normalised on its own, as per_minibatch)
+    step_policy: Literal["per_minibatch", "merged"] = "per_minibatch"
 
     def check(self) -> None:
         self.require(self.bf16 in (True, False, "auto"), "bf16", "true, false or auto")
@@ -210,6 +278,9 @@ class TrainConfig(Section):
             "logprob_chunk",
         ):
             self.require(getattr(self, name) >= 1, name, "an integer >= 1")
+        self.require(
+            self.mini_batch_size is None or self.mini_batch_size >= 1, "mini_batch_size", "null or >= 1"
+        )
 
 
 @dataclass
@@ -244,6 +315,55 @@ class SFTConfig(Section):
 
 
 @dataclass
+class RoleConfig(Section):
+    """`roles.<role>`: one role's model, credit, loss and call settings (the rest come from the sections)."""
+
+    _name = "roles.<role>"
+    model: str = "main"  # the model its calls run on: main (model.spec) or a key of `models`
+    lr_scale: float = 1.0  # multiplies optim.lr for the adapters this role trains (they must agree if shared)
+    loss_weight: float = 1.0  # multiplies this role's loss, on top of algorithm.role_share
+    beta: float | None = None  # KL weight on this role's tokens; None = algorithm.beta
+    entropy_coef: float | None = None  # entropy bonus on this role's tokens; None = algorithm.entropy_coef
+    train_kinds: list[str] | None = None  # kinds that carry this role's loss; None = adapters.train_kinds
+    # call settings that leave the trainer's log-probs as they are (not the temperature); None = rollout.*
+    max_new_tokens: int | None = None  # sampled tokens per call of this role
+    top_p: float | None = None  # nucleus sampling for this role's calls
+    max_tool_calls: int | None = None  # tool calls per call of this role
+
+    def check(self) -> None:
+        from rolerl.roles import POLICY_KINDS
+
+        self.require(bool(self.model), "model", "main or a key of models")
+        self.require(self.lr_scale > 0, "lr_scale", "a number > 0")
+        self.require(self.loss_weight >= 0, "loss_weight", "a number >= 0")
+        self.require(self.beta is None or self.beta >= 0, "beta", "null or a number >= 0")
+        self.require(
+            self.entropy_coef is None or self.entropy_coef >= 0, "entropy_coef", "null or a number >= 0"
+        )
+        self.require(
+            _kinds_ok(self.train_kinds), "train_kinds", f"null or a non-empty list of {sorted(POLICY_KINDS)}"
+        )
+        self.require(
+            self.max_new_tokens is None or self.max_new_tokens >= 1, "max_new_tokens", "null or >= 1"
+        )
+        self.require(self.top_p is None or 0 < self.top_p <= 1, "top_p", "null or a number in (0, 1]")
+        self.require(
+            self.max_tool_calls is None or self.max_tool_calls >= 0, "max_tool_calls", "null or >= 0"
+        )
+
+
+@dataclass
+class DiagnosticsConfig(Section):
+    _name = "diagnostics"
+    # every this many steps: each role's gradient norm on each adapter and the cosine between roles'
+    # gradients on a shared adapter (one extra backward per role); 0 = off
+    grad_every: int = 0
+
+    def check(self) -> None:
+        self.require(self.grad_every >= 0, "grad_every", "an integer >= 0 (0 = off)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
@@ -254,6 +374,19 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    # more base models by name (the main one is model.spec): {coder: tiny:qwen3}; roles.<r>.model picks one
+    models: dict[str, str] = field(default_factory=dict)
+    roles: dict[str, RoleConfig] = field(default_factory=dict)  # per-role settings, by role name
+
+    def __post_init__(self) -> None:
+        for role, rc in self.roles.items():
+            if rc.model != "main" and rc.model not in self.models:
+                raise ConfigError(
+                    f"roles.{role}.model={rc.model!r}; allowed: main or a key of models {sorted(self.models)}"
+                )
+        if "main" in self.models:
+            raise ConfigError("models.main: the main model is model.spec; give the others other names")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -338,7 +471,13 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
             hint = f"; did you mean {(f'{path}.' if path else '') + near[0]!r}?" if near else ""
             raise ConfigError(f"unknown key {full!r}{hint} (valid keys of {where}: {names})")
         kwargs[key] = _coerce(hints[key], value, full)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a section under a mapping (roles.coder): name it by its path
+        generic = getattr(cls, "_name", "")
+        if path and generic and str(e).startswith(f"{generic}."):
+            raise ConfigError(f"{path}{str(e)[len(generic) :]}") from None
+        raise
 
 
 def _literal_choices(hint: Any) -> tuple | None:
@@ -354,6 +493,8 @@ def _type_name(hint: Any) -> str:
         return " or ".join(_type_name(a) for a in get_args(hint))
     if get_origin(hint) is list:
         return f"a list of {_type_name(get_args(hint)[0])}"
+    if get_origin(hint) is dict:
+        return f"a mapping of names to {_type_name(get_args(hint)[1])}"
     return {
         type(None): "null",
         bool: "true/false",
@@ -372,14 +513,26 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         args = get_args(hint)
         if value is None and type(None) in args:
             return None
-        for arg in [a for a in args if a is not type(None)]:
+        for arg in [a for a in args if a is not type(None) and get_origin(a) is not Literal]:
             try:
                 return _coerce(arg, value, name)
             except ConfigError:
                 continue
+        if any(get_origin(a) is Literal for a in args):
+            return value  # the section's check names the field, the choices and the other forms
         raise ConfigError(f"{name}={value!r}; expected {_type_name(hint)}")
     if origin is Literal:
-        return value  # checked (with the choices in the message) by the section's __post_init__
+        if value not in get_args(hint):
+            raise ConfigError(f"{name}={value!r}; allowed: {list(get_args(hint))}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}={value!r}; expected {_type_name(hint)}")
+        key_type, value_type = get_args(hint)
+        return {
+            _coerce(key_type, k, f"{name} key"): _coerce(value_type, v, f"{name}.{k}")
+            for k, v in value.items()
+        }
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{name}={value!r}; expected {_type_name(hint)}")
@@ -410,20 +563,47 @@ def config_reference() -> str:
     import inspect
 
     lines: list[str] = []
+    top = inspect.getsource(Config)
     for f in dataclasses.fields(Config):
-        cls = typing.get_type_hints(Config)[f.name]
-        comments = _field_comments(inspect.getsource(cls))
-        lines += [f"### `{f.name}`", "", "| field | default | meaning |", "|---|---|---|"]
-        default = cls()
-        for sf in dataclasses.fields(cls):
-            value = getattr(default, sf.name)
-            choices = _literal_choices(typing.get_type_hints(cls)[sf.name])
-            meaning = comments.get(sf.name, "")
-            if choices:
-                meaning += f" (one of {', '.join(f'`{c}`' for c in choices)})"
-            lines.append(f"| `{sf.name}` | `{value!r}` | {meaning.replace('|', '/')} |")
-        lines.append("")
+        hint = typing.get_type_hints(Config)[f.name]
+        if dataclasses.is_dataclass(hint):
+            lines += _section_table(f"`{f.name}`", hint)
+        elif get_origin(hint) is dict and dataclasses.is_dataclass(get_args(hint)[1]):
+            lines += _section_table(
+                f"`{f.name}.<name>`: {_field_comments(top).get(f.name, '')}", get_args(hint)[1]
+            )
+        else:
+            lines += [
+                f"### `{f.name}`",
+                "",
+                f"{_field_comments(top).get(f.name, '')} Default `{f.default_factory()!r}`.",
+                "",
+            ]  # type: ignore[misc]
     return "\n".join(lines)
+
+
+def _section_table(title: str, cls: type) -> list[str]:
+    """One section's table, then a table for each mapping of sub-sections in it (adapters.per_adapter)."""
+    import inspect
+
+    comments = _field_comments(inspect.getsource(cls))
+    lines = [f"### {title}", "", "| field | default | meaning |", "|---|---|---|"]
+    default, nested = cls(), []
+    for sf in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[sf.name]
+        value = getattr(default, sf.name)
+        choices = _literal_choices(hint)
+        meaning = comments.get(sf.name, "")
+        if choices:
+            meaning += f" (one of {', '.join(f'`{c}`' for c in choices)})"
+        lines.append(f"| `{sf.name}` | `{value!r}` | {meaning.replace('|', '/')} |")
+        if get_origin(hint) is dict and dataclasses.is_dataclass(get_args(hint)[1]):
+            nested.append((sf.name, get_args(hint)[1]))
+    lines.append("")
+    name = title.split("`")[1]
+    for field_name, sub in nested:
+        lines += _section_table(f"`{name}.{field_name}.<name>`", sub)
+    return lines
 
 
 def _field_comments(source: str) -> dict[str, str]:

@@ -49,6 +49,9 @@ class Turn:
     logprobs: list[float]
     finish_reason: FinishReason = "stop"
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # this call's own reward (a workflow may score each voter, each worker); None = its role's or the
+    # episode's (`algorithm.reward`)
+    reward: float | None = None
 
     def __post_init__(self) -> None:
         n, m = len(self.completion_ids), len(self.prompt_ids) + len(self.completion_ids)
@@ -127,7 +130,7 @@ class TrainBatch:
     role_index: torch.Tensor  # (B, T) long index into `role_names` of the row's role, -1 at pads
     roles: list[str]  # (B,) role of each sequence
     role_names: list[str]  # role_index -> role name
-    weights: torch.Tensor  # (B,) float per-sequence loss weight
+    weights: torch.Tensor  # (B,) float64 per-sequence loss weight (cast to the loss's dtype when applied)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
@@ -195,7 +198,10 @@ def collate(
         old_logp[i, cols] = torch.where(policy, lp, 0.0)
     if weights is not None and len(weights) != b:
         raise ValueError(f"{len(weights)} weights for {b} turns")
-    w = torch.ones(b) if weights is None else torch.tensor([float(x) for x in weights])  # (B,)
+    # float64: role-share factors (2/3, 12/19...) multiply these, and a role's share should be exact
+    w = torch.tensor(
+        [1.0] * b if weights is None else [float(x) for x in weights], dtype=torch.float64
+    )  # (B,)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -61,7 +61,7 @@ def test_yaml_and_overrides_with_type_coercion(tmp_path):
         ),
         (
             ["adapters.preset=mixed"],
-            r"adapters.preset='mixed'; allowed: \['shared', 'dart', 'isolated', 'masked', 'none'\]",
+            r"adapters.preset='mixed'; allowed: \['shared', 'dart', 'isolated', 'masked', 'separate', 'custom', 'none'\]",
         ),
         (["train.steps=0"], r"train.steps=0; allowed: an integer >= 1"),
         (["optim.lr=-1"], r"optim.lr=-1.0; allowed: a number > 0"),
@@ -88,12 +88,18 @@ def test_bad_yaml_file(tmp_path):
 
 
 def test_reference_documents_every_field():
+    from rolerl.config import AdapterConfig, RoleConfig
+
     ref = config_reference()
-    for section in dataclasses.fields(Config):
-        assert f"### `{section.name}`" in ref
-        for f in dataclasses.fields(getattr(Config(), section.name)):
+    sections = [(s.name, getattr(Config(), s.name)) for s in dataclasses.fields(Config)]
+    sections = [(name, value) for name, value in sections if dataclasses.is_dataclass(value)]
+    sections += [("roles.<name>", RoleConfig()), ("adapters.per_adapter.<name>", AdapterConfig())]
+    for name, value in sections:
+        assert f"### `{name}`" in ref
+        for f in dataclasses.fields(value):
             line = next(x for x in ref.splitlines() if x.startswith(f"| `{f.name}` |"))
-            assert line.rstrip(" |").split("|")[-1].strip(), f"{section.name}.{f.name} has no comment"
+            assert line.rstrip(" |").split("|")[-1].strip(), f"{name}.{f.name} has no comment"
+    assert "### `models`" in ref
     assert "(one of `grpo`, `dr_grpo`, `rloo`)" in ref
 
 

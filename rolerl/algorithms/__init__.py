@@ -10,6 +10,7 @@ from rolerl.algorithms.advantages import (
     group_index,
     grpo_advantages,
     rloo_advantages,
+    role_normalised_advantages,
     zero_variance_groups,
     zero_variance_mask,
 )
@@ -38,6 +39,7 @@ from rolerl.algorithms.losses import (
 
 __all__ = [
     "ADVANTAGES",
+    "role_normalised_advantages",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",

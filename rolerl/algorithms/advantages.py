@@ -15,6 +15,13 @@ Two kinds of group carry no learning signal and get an advantage of exactly 0.0 
   divide that rounding error by `std + eps ~ eps` and produce O(0.1) noise advantages. We set 0.0
   explicitly. `zero_variance_groups` / `zero_variance_mask` report these so the loop can drop them (DAPO's
   dynamic sampling filters them; verl keeps them with zero advantage).
+
+**Units.** A workflow episode can make several calls that land in one group (three voter calls under
+`group_key: task`). Counted per call, an episode with more calls would weigh more in its group's mean
+and std, and a group of n episodes would look like more than n samples. With `units` (the episode of
+each call) each episode counts once: its value is the mean of its calls' rewards, the group statistics
+are over episodes, and each call's advantage is its own reward minus the episode-level baseline (RLOO
+leaves out the call's whole episode). With outcome rewards this is exactly episode-level GRPO.
 """
 
 from __future__ import annotations
@@ -50,6 +57,28 @@ def _group_moments(rewards: Tensor, ids: Tensor, n_groups: int) -> tuple[Tensor,
     return count[ids], mean[ids], std[ids], no_signal[ids]
 
 
+def _moments(
+    rewards: Tensor, ids: Tensor, n_groups: int, units: Sequence[Hashable] | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`_group_moments` where each *unit* (e.g. an episode) counts once: a unit's value is the mean of its
+    members' rewards in the group, and count, mean and std are over units. Returns per member `(N,)`:
+    unit count, mean, std, no-signal flag and the member's unit value. `units=None`: every member is a
+    unit (exactly `_group_moments`)."""
+    if units is None:
+        count, mean, std, no_signal = _group_moments(rewards, ids, n_groups)
+        return count, mean, std, no_signal, rewards.detach().to(torch.float64)
+    if len(units) != len(ids):
+        raise ValueError(f"{len(units)} unit keys for {len(ids)} rewards")
+    uid, pairs = group_index([(g, u) for g, u in zip(ids.tolist(), units, strict=True)])  # (N,), (U,)
+    r = rewards.detach().to(torch.float64)
+    size = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, uid, torch.ones_like(r))  # (U,)
+    value = torch.zeros(len(pairs), dtype=torch.float64).index_add_(0, uid, r) / size  # (U,)
+    owner = torch.tensor([g for g, _ in pairs], dtype=torch.long)  # (U,) group of each unit
+    count, mean, std, no_signal = (x[uid] for x in _group_moments(value, owner, n_groups))
+    flat = _group_moments(rewards, ids, n_groups)[3]  # members all bitwise equal
+    return count, mean, std, no_signal | flat, value[uid]
+
+
 def _check(rewards: Tensor, ids: Tensor) -> None:
     if rewards.dim() != 1 or rewards.shape[0] != ids.shape[0]:
         raise ValueError(
@@ -58,21 +87,26 @@ def _check(rewards: Tensor, ids: Tensor) -> None:
         )
 
 
-def grpo_advantages(rewards: Tensor, group_keys: GroupKeys, *, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(
+    rewards: Tensor, group_keys: GroupKeys, *, units: Sequence[Hashable] | None = None, eps: float = 1e-6
+) -> Tensor:
     """GRPO: `A_i = (r_i - mean_g) / (std_g + eps)`, unbiased std (DeepSeekMath, outcome supervision;
     verl `grpo`).
 
-    Singleton and zero-variance groups get exactly 0.0 (module docstring). Returns `(N,)` in the
+    `units[i]` (e.g. the episode of a model call): members of one unit count once in the group's mean and
+    std (module docstring). Singleton and zero-variance groups get exactly 0.0. Returns `(N,)` in the
     rewards' dtype, detached.
     """
     ids, keys = group_index(group_keys)
     _check(rewards, ids)
-    _, mean, std, no_signal = _group_moments(rewards, ids, len(keys))
+    _, mean, std, no_signal, _ = _moments(rewards, ids, len(keys), units)
     adv = (rewards.detach().to(torch.float64) - mean) / (std + eps)  # (N,)
     return adv.masked_fill(no_signal, 0.0).to(rewards.dtype)
 
 
-def dr_grpo_advantages(rewards: Tensor, group_keys: GroupKeys) -> Tensor:
+def dr_grpo_advantages(
+    rewards: Tensor, group_keys: GroupKeys, *, units: Sequence[Hashable] | None = None
+) -> Tensor:
     """Dr. GRPO: `A_i = r_i - mean_g`, no std division (Liu et al. 2025, "Understanding R1-Zero-Like
     Training": the std term up-weights too-easy and too-hard questions).
 
@@ -81,12 +115,14 @@ def dr_grpo_advantages(rewards: Tensor, group_keys: GroupKeys) -> Tensor:
     """
     ids, keys = group_index(group_keys)
     _check(rewards, ids)
-    _, mean, _, no_signal = _group_moments(rewards, ids, len(keys))
+    _, mean, _, no_signal, _ = _moments(rewards, ids, len(keys), units)
     adv = rewards.detach().to(torch.float64) - mean  # (N,)
     return adv.masked_fill(no_signal, 0.0).to(rewards.dtype)
 
 
-def rloo_advantages(rewards: Tensor, group_keys: GroupKeys) -> Tensor:
+def rloo_advantages(
+    rewards: Tensor, group_keys: GroupKeys, *, units: Sequence[Hashable] | None = None
+) -> Tensor:
     """RLOO: `A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g)` (Ahmadian et al. 2024,
     "Back to Basics"; verl `rloo`). The leave-one-out baseline does not depend on `r_i`, so the estimator
     is unbiased. Singleton groups (no other member to form a baseline) and zero-variance groups get
@@ -94,9 +130,37 @@ def rloo_advantages(rewards: Tensor, group_keys: GroupKeys) -> Tensor:
     """
     ids, keys = group_index(group_keys)
     _check(rewards, ids)
-    count, mean, _, no_signal = _group_moments(rewards, ids, len(keys))
-    adv = (rewards.detach().to(torch.float64) - mean) * count / (count - 1).clamp(min=1)  # (N,)
+    count, mean, _, no_signal, value = _moments(rewards, ids, len(keys), units)
+    r = rewards.detach().to(torch.float64)
+    if units is None:
+        adv = (r - mean) * count / (count - 1).clamp(min=1)  # (N,)
+    else:  # the baseline leaves out the member's whole unit: the mean of the other units' values
+        adv = r - (count * mean - value) / (count - 1).clamp(min=1)
     return adv.masked_fill(no_signal, 0.0).to(rewards.dtype)
+
+
+def role_normalised_advantages(
+    rewards: Tensor,
+    group_keys: GroupKeys,
+    roles: Sequence[Hashable],
+    *,
+    units: Sequence[Hashable] | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """GRPO with the std per role (`algorithm.norm: role`, Dr. MAS's per-agent normalisation):
+    `A_i = (r_i - mean_g) / (std_role(i) + eps)`, where `std_role` is the unbiased std of the centred
+    rewards `r_j - mean_g(j)` over that role's members in groups with signal. A role whose rewards barely
+    vary no longer gets advantages blown up by a tiny group std, and every role's advantages have unit
+    scale. Groups without signal still get exactly 0.0."""
+    centred = dr_grpo_advantages(rewards, group_keys, units=units).to(torch.float64)  # (N,)
+    ids, keys = group_index(group_keys)
+    no_signal = _moments(rewards, ids, len(keys), units)[3]
+    out = torch.zeros_like(centred)
+    for role in dict.fromkeys(roles):
+        mine = torch.tensor([r == role for r in roles]) & ~no_signal  # (N,)
+        if int(mine.sum()) >= 2:
+            out[mine] = centred[mine] / (centred[mine].std() + eps)
+    return out.to(rewards.dtype)
 
 
 ADVANTAGES: dict[str, AdvantageFn] = {

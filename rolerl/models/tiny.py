@@ -1,5 +1,9 @@
 """Tiny randomly initialised causal LMs (2 layers, width 64) of the families users train, with the
-default model's real tokenizer, so unit tests run in seconds yet exercise real HF model code."""
+default model's real tokenizer, so unit tests run in seconds yet exercise real HF model code.
+
+`tiny:<arch>:bytes` pairs one with a byte-level tokenizer instead (259 tokens: the 256 bytes and ChatML's
+three specials): a second model with its own vocabulary, as a reasoner and a small tool agent of the
+`separate` preset would have."""
 
 from __future__ import annotations
 
@@ -63,6 +67,45 @@ def tiny_model(arch: Arch = "llama", seed: int = 0, dtype: torch.dtype = torch.f
                     p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.1)
     model.eval()
     return model, tokenizer
+
+
+def tiny_from_spec(spec: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """`(model, tokenizer)` for `tiny:<arch>` (the default tokenizer) or `tiny:<arch>:bytes`."""
+    parts = spec.split(":")
+    if parts[0] != "tiny" or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "bytes"):
+        raise ValueError(
+            f"model spec {spec!r}: tiny models are tiny:<arch> or tiny:<arch>:bytes, arch in {list(ARCHS)}"
+        )
+    if len(parts) == 2:
+        return tiny_model(parts[1], seed=seed, dtype=dtype)  # type: ignore[arg-type]
+    tokenizer = byte_tokenizer()
+    model, tokenizer = tiny_model(parts[1], seed=seed, dtype=dtype, tokenizer=tokenizer)  # type: ignore[arg-type]
+    for config in (model.config, model.generation_config):  # the ids tiny_config assumes are SmolLM2's
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        config.bos_token_id = None
+    return model, tokenizer
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: one token per byte (no merges) plus `<|endoftext|>` (pad), `<|im_start|>`
+    and `<|im_end|>` (EOS), with a ChatML chat template. Built in memory, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML
+    )
 
 
 _TOKENIZER = None

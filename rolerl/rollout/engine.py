@@ -61,6 +61,7 @@ class GenerationRequest:
     max_tool_calls: int = 4  # per turn; one more call ends the turn with finish_reason "tool_limit"
     tool_output_tokens: int = 256  # budget of spliced output per call (the tool's text is cut to fit)
     max_total_tokens: int | None = None  # prompt + completion, spliced output included; None = max_len
+    model: str = "main"  # the model (engine) that serves the call, for backends with several
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -10,6 +10,10 @@ requests alone and a resumed run samples exactly what the uninterrupted one did.
 to the engine in (episode, call) order, not arrival order, so even workflows that await other things
 (sleeps, their own I/O) between model calls batch identically every time.
 
+Several models (the `separate` preset) get one engine each: `GenerationRequest.model` picks it, and every
+engine with work steps in name order when all episodes wait, so batching stays deterministic across
+models too.
+
 Engine tools finish on their own threads, so a tool-using rollout's splice timing is still wall-clock
 dependent. A workflow that fans out and resumes on the *first* finished call (`as_completed`) lets the
 engine step before it submits again; with `gather` (wait for all) batching stays deterministic.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import TypeVar
 
 from rolerl.rollout.engine import Engine, GenerationRequest
@@ -33,15 +37,22 @@ _EPISODE: contextvars.ContextVar[int | None] = contextvars.ContextVar("rolerl_ep
 class LockstepBackend:
     """Run episodes with `await backend.episode(coro)` (all of a step's at once, e.g. via gather)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | Mapping[str, Engine]) -> None:
+        self.engines = dict(engine) if isinstance(engine, Mapping) else {"main": engine}
         self._ids = itertools.count()
         self._outstanding: dict[int, int] = {}  # live episode -> requests submitted and not yet finished
         self._calls: dict[int, int] = {}  # live episode -> model calls made so far
         self._queue: list[tuple[int, int, GenerationRequest, asyncio.Future]] = []  # not yet submitted
-        self._owner: dict[int, tuple[int, asyncio.Future]] = {}  # engine handle -> (episode, future)
+        self._owner: dict[tuple[str, int], tuple[int, asyncio.Future]] = {}  # (model, handle) -> (ep, future)
         self._changed: asyncio.Event | None = None
         self._pump: asyncio.Task | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, when there is one model."""
+        if len(self.engines) != 1:
+            raise ValueError(f"this backend serves {len(self.engines)} models {list(self.engines)}")
+        return next(iter(self.engines.values()))
 
     async def episode(self, coro: Awaitable[T]) -> T:
         """Run one episode's coroutine; the engine waits for it whenever it is not waiting on the engine."""
@@ -72,7 +83,8 @@ class LockstepBackend:
     def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
-        self.engine.close()
+        for engine in self.engines.values():
+            engine.close()
 
     # ---- internals --------------------------------------------------------------------------------------
 
@@ -90,27 +102,37 @@ class LockstepBackend:
                 self._changed.clear()
                 await self._changed.wait()
             self._submit_queued()
-            if not self.engine.has_work:
+            busy = [name for name in sorted(self.engines) if self.engines[name].has_work]
+            if not busy:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            try:
-                finished = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - an engine failure fails every waiting request, loudly
-                self.engine.reset()
-                for ep, future in self._owner.values():
-                    self._resolve(ep, future, None, e)
-                self._owner.clear()
-                continue
-            for handle, turn in finished:
-                # resolved now, not when the coroutine resumes: the next step waits for it to submit or end
-                self._resolve(*self._owner.pop(handle), turn, None)
+            for name in busy:
+                self._step(name)
             await asyncio.sleep(0)  # let resumed coroutines run before checking again
+
+    def _step(self, name: str) -> None:
+        engine = self.engines[name]
+        try:
+            finished = engine.step()
+        except Exception as e:  # noqa: BLE001 - an engine failure fails every request waiting on it, loudly
+            engine.reset()
+            for key in [k for k in self._owner if k[0] == name]:
+                self._resolve(*self._owner.pop(key), None, e)
+            return
+        for handle, turn in finished:
+            # resolved now, not when the coroutine resumes: the next step waits for it to submit or end
+            self._resolve(*self._owner.pop((name, handle)), turn, None)
 
     def _submit_queued(self) -> None:
         for ep, _, request, future in sorted(self._queue, key=lambda q: (q[0], q[1])):
             try:
-                self._owner[self.engine.submit(request)] = (ep, future)
+                engine = self.engines.get(request.model)
+                if engine is None:
+                    raise ValueError(
+                        f"no engine serves model {request.model!r}; models: {list(self.engines)}"
+                    )
+                self._owner[(request.model, engine.submit(request))] = (ep, future)
             except Exception as e:  # noqa: BLE001 - a bad request fails its own caller only
                 self._resolve(ep, future, None, e)
         self._queue.clear()

@@ -99,3 +99,21 @@ def _resolve(future: asyncio.Future, result, error: BaseException | None) -> Non
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+class ModelRouter:
+    """A `RolloutBackend` over one backend per model: each request goes to `backends[request.model]`
+    (the `separate` preset with the threaded backend: one free-running engine per model)."""
+
+    def __init__(self, backends: dict[str, RolloutBackend]) -> None:
+        self.backends = backends
+
+    async def generate(self, request: GenerationRequest) -> Turn:
+        backend = self.backends.get(request.model)
+        if backend is None:
+            raise ValueError(f"no engine serves model {request.model!r}; models: {list(self.backends)}")
+        return await backend.generate(request)
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()

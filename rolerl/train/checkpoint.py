@@ -23,7 +23,7 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from torch import nn
 
 from rolerl.config import Config
 from rolerl.models.adapters_io import CorruptFileError, load_adapter, save_adapter
+from rolerl.train.optim import Optimizer, OptimizerStateError
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -206,9 +207,8 @@ def checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: nn.Module,
-    adapter_names: list[str],
-    optimizer: torch.optim.Optimizer,
+    adapters: Mapping[str, nn.Module],
+    optimizer: Any,
     scheduler: Any = None,
     *,
     keep_last: int,
@@ -217,13 +217,15 @@ def save_checkpoint(
 ) -> Path:
     """Write `checkpoints/step_{step}` atomically, then delete all but the newest `keep_last`.
 
-    `rng`: the RNG states to store (default: now), e.g. those captured when `step` completed."""
+    `adapters`: adapter name -> the model that holds it (names are unique across models); `optimizer`: an
+    `Optimizer` (state by name) or any object with `state_dict()`. `rng`: the RNG states to store
+    (default: now), e.g. those captured when `step` completed."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}-", dir=root))
     try:
-        for name in adapter_names:
+        for name, model in adapters.items():
             save_adapter(model, name, tmp / "adapters" / name)
         state = {
             "step": step,
@@ -248,15 +250,15 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: str | Path,
-    model: nn.Module,
-    adapter_names: list[str],
-    optimizer: torch.optim.Optimizer,
+    adapters: Mapping[str, nn.Module],
+    optimizer: Any,
     scheduler: Any = None,
 ) -> dict[str, Any]:
     """Restore adapters, optimizer, scheduler and RNG from `path`; returns the saved state (with `step`).
 
     Raises `CorruptFileError` naming the file when `state.pt` or an adapter cannot be read; `state.pt` is
-    read first, so a bad one changes nothing."""
+    read first, so a bad one changes nothing. A checkpoint written under another topology (other adapter
+    names) raises `OptimizerStateError` naming the adapters that differ, before anything is loaded."""
     path = Path(path)
     try:
         state = torch.load(path / "state.pt", weights_only=False)
@@ -267,9 +269,16 @@ def load_checkpoint(
         raise CorruptFileError(path / "state.pt", "checkpoint state", e) from None
     if not isinstance(state, dict) or not {"step", "optimizer", "rng"} <= set(state):
         raise CorruptFileError(path / "state.pt", "checkpoint state", ValueError("keys missing"))
-    for name in adapter_names:
+    saved = sorted(p.name for p in (path / "adapters").iterdir()) if (path / "adapters").is_dir() else []
+    if saved and saved != sorted(adapters):
+        raise OptimizerStateError(
+            f"checkpoint {str(path)!r} holds adapters {saved} and this run's topology has {sorted(adapters)}; "
+            "resume with the configuration it was written with, or start a fresh run (adapters.init can "
+            "warm-start from its adapters)"
+        )
+    optimizer.load_state_dict(state["optimizer"])  # checks the names of the trained adapters first
+    for name, model in adapters.items():
         load_adapter(model, name, path / "adapters" / name)
-    optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
@@ -278,9 +287,8 @@ def load_checkpoint(
 
 def load_newest(
     run_dir: str | Path,
-    model: nn.Module,
-    adapter_names: list[str],
-    optimizer: torch.optim.Optimizer,
+    adapters: Mapping[str, nn.Module],
+    optimizer: Any,
     scheduler: Any = None,
 ) -> dict[str, Any] | None:
     """`load_checkpoint` of the newest checkpoint that reads back, warning about each one skipped;
@@ -289,7 +297,7 @@ def load_newest(
     errors = []
     for step, path in reversed(found):
         try:
-            return load_checkpoint(path, model, adapter_names, optimizer, scheduler)
+            return load_checkpoint(path, adapters, optimizer, scheduler)
         except (CorruptFileError, FileNotFoundError) as e:
             errors.append(e)
             log.warning("checkpoint step_%d is unusable (%s); falling back to the previous one", step, e)
@@ -333,10 +341,10 @@ class StepUndo:
     """Lets an interruption checkpoint the last completed step even mid-update: before a step's first
     optimizer step it copies the adapters and the optimizer state (small for LoRA), which `undo` puts back."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: Optimizer) -> None:
         self.params, self.optimizer = list(params), optimizer
         self.armed, self.before = False, None
-        self.handle = optimizer.register_step_pre_hook(self._before_step)
+        self.handle = optimizer.torch.register_step_pre_hook(self._before_step)
 
     def arm(self) -> None:
         self.armed, self.before = True, None
@@ -347,7 +355,7 @@ class StepUndo:
     def _before_step(self, optimizer, args, kwargs) -> None:
         if self.armed and self.before is None:
             weights = [p.detach().clone() for p in self.params]
-            self.before = (weights, copy.deepcopy(optimizer.state_dict()))
+            self.before = (weights, copy.deepcopy(self.optimizer.state_dict()))
 
     def undo(self) -> None:
         if self.before is not None:

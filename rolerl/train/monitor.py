@@ -46,8 +46,11 @@ class ToolHealth:
 
 
 def sampled_tokens(backend: RolloutBackend) -> int:
-    engine = getattr(backend, "engine", None)
-    return int(engine.stats["decode_rows"]) if engine is not None else 0
+    """Tokens the backend's local engines have sampled so far (0 for a backend without one)."""
+    if hasattr(backend, "backends"):  # ModelRouter: one backend per model
+        return sum(sampled_tokens(b) for b in backend.backends.values())
+    engines = getattr(backend, "engines", None) or {"main": backend.__dict__.get("engine")}
+    return sum(int(e.stats["decode_rows"]) for e in engines.values() if e is not None)
 
 
 @contextlib.contextmanager

@@ -18,20 +18,22 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rolerl.algorithms import ADVANTAGES, zero_variance_mask
-from rolerl.config import Config, ConfigError, load_config
-from rolerl.models.lora import adapter_parameters
+from rolerl.algorithms import ADVANTAGES, role_normalised_advantages, zero_variance_mask
+from rolerl.config import AlgorithmConfig, Config, ConfigError, load_config
+from rolerl.diagnostics.grad_conflict import role_gradients
+from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.roles import KINDS, POLICY_KINDS, PROMPT
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
-from rolerl.rollout.scheduler import EngineBackend, RolloutBackend
+from rolerl.rollout.scheduler import EngineBackend, ModelRouter, RolloutBackend
 from rolerl.tasks import TASKS, Example, Task
 from rolerl.train.checkpoint import (
     Completed,
@@ -45,10 +47,11 @@ from rolerl.train.checkpoint import (
     save_checkpoint,
 )
 from rolerl.train.monitor import ToolHealth, sampled_tokens, ticker
+from rolerl.train.optim import Optimizer, lr_factor
 from rolerl.train.policy import Policy, build_policy
-from rolerl.train.update import LossSettings, lr_factor, ppo_update
+from rolerl.train.update import LossSettings, Part, Schedule, ppo_update
 from rolerl.types import Episode, Turn, collate
-from rolerl.workflows import WORKFLOWS, Context, Workflow, derive_seed
+from rolerl.workflows import WORKFLOWS, Context, RoleCalls, Workflow, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +83,16 @@ def train(
     task = task if task is not None else TASKS[cfg.task.name]()
     workflow = workflow if workflow is not None else WORKFLOWS[cfg.task.workflow](task)
     policy = policy if policy is not None else build_policy(cfg, workflow.roles)
+    check_roles(cfg, list(policy.route_of))
     params = policy.trainable()
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-    )
+    optimizer = policy.optimizer(cfg.optim)
     seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
     start = _restore(cfg, policy, optimizer) if resume else 0  # RNG states restored too
-    engine = _engine(cfg, policy)  # before any write: a tool that cannot work here stops the run now
+    engines = _engines(cfg, policy)  # before any write: a tool that cannot work here stops the run now
     run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard, resume_step=start if resume else None)
     run.write_config(cfg)
     health = ToolHealth()
-    backend = LockstepBackend(engine) if cfg.rollout.backend == "lockstep" else EngineBackend(engine)
+    backend = _backend(cfg, engines)
     last = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
     done = Completed(start, saved=start)
     undo = StepUndo(params, optimizer)
@@ -127,8 +129,9 @@ def train(
     finally:
         undo.close()
         backend.close()
-        for tool in engine.tools.values():  # e.g. the sandbox's worker processes
-            getattr(tool, "close", lambda: None)()
+        for engine in engines.values():
+            for tool in engine.tools.values():  # e.g. the sandbox's worker processes
+                getattr(tool, "close", lambda: None)()
         run.close()
     return Path(cfg.run.dir)
 
@@ -139,24 +142,30 @@ def _lr(cfg: Config, step: int) -> float:
     return cfg.optim.lr * lr_factor(step - 1, cfg.train.steps, cfg.optim)
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
-    lr = _lr(cfg, step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
+def _set_lr(optimizer: Optimizer, cfg: Config, step: int) -> float:
+    """Every adapter's lr for `step` (its peak x the schedule); returns `optim.lr`'s (the logged `lr`).
+    Under either step policy the schedule advances once per training step, however many optimizer steps
+    an adapter takes in it."""
+    optimizer.set_lr(lr_factor(step - 1, cfg.train.steps, cfg.optim))
+    return _lr(cfg, step)
 
 
-def _checkpoint(cfg: Config, policy: Policy, optimizer: torch.optim.Optimizer, done: Completed) -> None:
+def _adapters(policy: Policy) -> dict[str, torch.nn.Module]:
+    """Adapter name -> the model that holds it (what checkpoints save and load)."""
+    return {name: member.model for member in policy.members.values() for name in adapter_specs(member.model)}
+
+
+def _checkpoint(cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed) -> None:
     extra = {"train_steps": cfg.train.steps, "lr": done.lr}  # what `_restore` says when a run is extended
     save_checkpoint(
-        cfg.run.dir, done.step, policy.model, policy.adapter_names, optimizer,
+        cfg.run.dir, done.step, _adapters(policy), optimizer,
         keep_last=cfg.run.keep_last, extra=extra, rng=done.rng,
     )  # fmt: skip
     done.saved = done.step
 
 
 def _checkpoint_on_error(
-    cfg: Config, policy: Policy, optimizer: torch.optim.Optimizer, done: Completed, undo: StepUndo
+    cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed, undo: StepUndo
 ) -> None:
     """Checkpoint the last completed step if it is not yet, undoing a cut-short update first. Never
     raises: the error that got us here is the one to report."""
@@ -170,11 +179,11 @@ def _checkpoint_on_error(
         log.warning("could not checkpoint step %d on the way out (%s)", done.step, e)
 
 
-def _restore(cfg: Config, policy: Policy, optimizer: torch.optim.Optimizer) -> int:
+def _restore(cfg: Config, policy: Policy, optimizer: Optimizer) -> int:
     """Load the newest readable checkpoint and return its step; 0 (start again) for a run that stopped
     before its first checkpoint."""
     clean_partial(cfg.run.dir)
-    state = load_newest(cfg.run.dir, policy.model, policy.adapter_names, optimizer)
+    state = load_newest(cfg.run.dir, _adapters(policy), optimizer)
     if state is None:
         if not holds_run(cfg.run.dir) and not (Path(cfg.run.dir) / "config.yaml").exists():
             raise FileNotFoundError(
@@ -216,7 +225,7 @@ def train_step(
     step: int,
     policy: Policy,
     params: Sequence[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     backend: RolloutBackend,
     task: Task,
     workflow: Workflow,
@@ -227,7 +236,7 @@ def train_step(
     (rollout tokens, update micro-batches) for a progress bar."""
     report = report or (lambda text: None)
     t0 = time.perf_counter()
-    # 1. tasks, and n episodes of each through the workflow, all concurrently (one batched engine)
+    # 1. tasks, and n episodes of each through the workflow, all concurrently (one batched engine per model)
     examples = task.examples(
         cfg.task.split, cfg.train.tasks_per_step, derive_seed(cfg.run.seed, "tasks", step)
     )
@@ -237,56 +246,99 @@ def train_step(
     if health is not None:
         health.check(step, episodes)
     t1 = time.perf_counter()
-    # 2. rewards -> advantages over the configured groups
-    turns, rewards, keys = turn_rewards(episodes, cfg.algorithm.group_key)
+    # 2. rewards (the credit rule) -> advantages over the configured groups, each episode counted once
+    credit = turn_rewards(episodes, cfg.algorithm)
+    turns, rewards, keys = credit.turns, credit.rewards, credit.keys
     metrics: dict[str, float] = {"step": step} | episode_metrics(episodes, policy)
     keep = list(range(len(turns)))
     if cfg.algorithm.filter_zero_variance and turns:
         flat = zero_variance_mask(rewards, keys)
         keep = [i for i in keep if not bool(flat[i])]
         metrics["filtered/zero_variance_frac"] = 1.0 - len(keep) / len(turns)
-    advantages = ADVANTAGES[cfg.algorithm.advantage](rewards, keys) if turns else rewards
+    advantages = advantages_of(cfg.algorithm, credit) if turns else rewards
     metrics["advantage/abs_mean"] = float(advantages.abs().mean()) if turns else 0.0
-    # 3. collate and update the adapters
+    # 3. collate per model and update the adapters
     if keep:
-        kept = [turns[i] for i in keep]
-        batch = collate(
-            kept,
-            [float(advantages[i]) for i in keep],
-            policy.route_of,
-            role_names=list(policy.route_of),
-            pad_id=_pad_id(policy.tokenizer),
-            loss_kinds={role: policy.topology.loss_kinds(role) for role in policy.route_of},
-        ).to(policy.device)
-        settings = LossSettings(
-            algorithm=cfg.algorithm,
-            temperature=cfg.rollout.temperature,
-            horizon=cfg.rollout.max_new_tokens,
-            chunk_size=cfg.train.logprob_chunk,
-            bf16=policy.bf16,
-            share_prefix=cfg.train.share_prefix,
-            isolation=cfg.adapters.isolation,
-            adapter_params=adapter_parameters(policy.model) if cfg.adapters.isolation == "strict" else {},
-        )
+        parts = collate_parts(policy, [turns[i] for i in keep], [float(advantages[i]) for i in keep])
+        settings = loss_settings(cfg, policy)
+        if cfg.diagnostics.grad_every and step % cfg.diagnostics.grad_every == 0:
+            metrics |= role_gradients(parts, settings, optimizer, cfg.train.micro_batch_size)
         generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "shuffle", step))
         # The model stays in eval mode: RL wants no dropout (the rollout had none), and train mode makes HF
         # run p=0 dropout kernels over attention weights (measured ~30% slower fwd+bwd on CPU).
         metrics |= ppo_update(
-            policy.model,
-            params,
+            parts,
             optimizer,
-            batch,
             settings,
-            ppo_epochs=cfg.train.ppo_epochs,
-            mini_batches=cfg.train.mini_batches,
+            schedule(cfg),
             micro_batch_size=cfg.train.micro_batch_size,
-            grad_clip=cfg.optim.grad_clip,
             generator=generator,
             progress=lambda done, total: report(f"update {done}/{total} micro-batches"),
         )
     t2 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0}
     return metrics
+
+
+def schedule(cfg: Config) -> Schedule:
+    t = cfg.train
+    return Schedule(
+        ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches, mini_batch_size=t.mini_batch_size,
+        by_role=t.mini_batch_by == "role", merged=t.step_policy == "merged",
+    )  # fmt: skip
+
+
+def loss_settings(cfg: Config, policy: Policy) -> LossSettings:
+    """What the update needs from the config: the algorithm, the rollout's temperature, per-role
+    coefficients and loss weights."""
+    roles = cfg.roles
+    return LossSettings(
+        algorithm=cfg.algorithm,
+        temperature=cfg.rollout.temperature,
+        horizon=cfg.rollout.max_new_tokens,
+        chunk_size=cfg.train.logprob_chunk,
+        bf16=policy.bf16,
+        share_prefix=cfg.train.share_prefix,
+        isolation=cfg.adapters.isolation,
+        role_beta={r: c.beta for r, c in roles.items() if c.beta is not None},
+        role_entropy={r: c.entropy_coef for r, c in roles.items() if c.entropy_coef is not None},
+        loss_weight={r: c.loss_weight for r, c in roles.items() if c.loss_weight != 1.0},
+    )
+
+
+def collate_parts(policy: Policy, turns: Sequence[Turn], advantages: Sequence[float]) -> list[Part]:
+    """One `Part` per model: its roles' turns padded into a `TrainBatch` on the policy's device."""
+    role_names = list(policy.route_of)
+    parts = []
+    for name, member in policy.members.items():
+        mine = [i for i, t in enumerate(turns) if policy.topology.model(t.role) == name]
+        if not mine:
+            continue
+        batch = collate(
+            [turns[i] for i in mine],
+            [advantages[i] for i in mine],
+            policy.route_of,
+            role_names=role_names,
+            pad_id=_pad_id(member.tokenizer),
+            loss_kinds={role: policy.topology.loss_kinds(role) for role in role_names},
+        ).to(policy.device)
+        if any(g.model == name for g in policy.groups):  # else every adapter of the model is frozen
+            parts.append(Part.of(member.model, batch))
+    return parts
+
+
+def check_roles(cfg: Config, roles: Sequence[str]) -> None:
+    """`algorithm.role_share` as a mapping needs a weight for every role of the workflow."""
+    share = cfg.algorithm.role_share
+    if isinstance(share, dict):
+        missing = [r for r in roles if r not in share]
+        unknown = sorted(set(share) - set(roles))
+        if missing or unknown:
+            raise ConfigError(
+                f"algorithm.role_share={share}: "
+                + (f"no weight for roles {missing}" if missing else f"unknown roles {unknown}")
+                + f"; the workflow's roles are {list(roles)}"
+            )
 
 
 async def rollout(
@@ -304,11 +356,15 @@ async def rollout(
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
     tool = None if cfg.rollout.tool == "none" else cfg.rollout.tool
+    calls = role_calls(cfg, policy)
+    main = next(iter(policy.members.values()))
 
     def context(i: int, j: int) -> Context:
         seed = derive_seed(cfg.run.seed, step, i, j)
-        route_of, tokenizer, calls = policy.route_of, policy.tokenizer, cfg.rollout.max_tool_calls
-        return Context(backend, tokenizer, route_of, sampling, seed, tool=tool, max_tool_calls=calls)
+        route_of, n_calls = policy.route_of, cfg.rollout.max_tool_calls
+        return Context(
+            backend, main.tokenizer, route_of, sampling, seed, tool=tool, max_tool_calls=n_calls, roles=calls
+        )
 
     runs = [workflow.run(context(i, j), ex) for i, ex in enumerate(examples) for j in range(cfg.rollout.n)]
     if isinstance(backend, LockstepBackend):
@@ -316,25 +372,74 @@ async def rollout(
     return list(await asyncio.gather(*runs))
 
 
-def turn_rewards(
-    episodes: Sequence[Episode], group_key: str
-) -> tuple[list[Turn], torch.Tensor, list[Hashable]]:
-    """Every turn with its reward (the role's reward if the workflow set one, else the episode's) and its
-    advantage group key: `task`, `(task, role)` or `(task, role, k)` for the k-th call of that role."""
-    turns, rewards, keys = [], [], []
-    for ep in episodes:
+def role_calls(cfg: Config, policy: Policy) -> dict[str, RoleCalls]:
+    """Each role's model, tokenizer and call settings (`roles.<r>`), for `Context`."""
+    out = {}
+    for role in policy.route_of:
+        rc = cfg.roles.get(role)
+        model = policy.topology.model(role)
+        out[role] = RoleCalls(
+            model=model,
+            tokenizer=policy.members[model].tokenizer,
+            max_new_tokens=rc.max_new_tokens if rc else None,
+            top_p=rc.top_p if rc else None,
+            max_tool_calls=rc.max_tool_calls if rc else None,
+        )
+    return out
+
+
+@dataclass
+class Credit:
+    """Every model call of a step with its reward, advantage group, episode (the unit that counts once
+    in a group's statistics) and role."""
+
+    turns: list[Turn]
+    rewards: torch.Tensor  # (N,) float64
+    keys: list[Hashable]  # advantage group of each call
+    units: list[int]  # the episode of each call
+    roles: list[str]
+
+
+def turn_rewards(episodes: Sequence[Episode], alg: AlgorithmConfig | str) -> Credit:
+    """Every call's reward under `alg.reward` and its advantage group under `alg.group_key`: `task`,
+    `(task, role)` or `(task, role, k)` for the k-th call of that role in its episode.
+
+    Rewards: `outcome` = the episode's; `role` = the call's own `Turn.reward`, else its role's
+    `Episode.role_rewards`, else the outcome; `mix` = `mix_alpha` x outcome + the call's or role's own
+    reward (0 when it has none: the multi-agent frameworks' team + local credit)."""
+    if isinstance(alg, str):  # a bare group key: the default credit rule
+        alg = AlgorithmConfig(group_key=alg)  # type: ignore[arg-type]
+    turns, rewards, keys, units, roles = [], [], [], [], []
+    for e, ep in enumerate(episodes):
         seen: Counter[str] = Counter()
         for turn in ep.turns:
+            own = turn.reward if turn.reward is not None else ep.role_rewards.get(turn.role)
+            if alg.reward == "outcome":
+                reward = ep.reward
+            elif alg.reward == "role":
+                reward = own if own is not None else ep.reward
+            else:
+                reward = alg.mix_alpha * ep.reward + (own if own is not None else 0.0)
             turns.append(turn)
-            rewards.append(ep.role_rewards.get(turn.role, ep.reward))
-            if group_key == "task":
+            rewards.append(reward)
+            units.append(e)
+            roles.append(turn.role)
+            if alg.group_key == "task":
                 keys.append(ep.task_id)
-            elif group_key == "role":
+            elif alg.group_key == "role":
                 keys.append((ep.task_id, turn.role))
             else:
                 keys.append((ep.task_id, turn.role, seen[turn.role]))
             seen[turn.role] += 1
-    return turns, torch.tensor(rewards, dtype=torch.float64), keys
+    return Credit(turns, torch.tensor(rewards, dtype=torch.float64), keys, units, roles)
+
+
+def advantages_of(alg: AlgorithmConfig, credit: Credit) -> torch.Tensor:
+    """Advantages of every call: `alg.advantage` over the groups, episodes counted once per group; with
+    `alg.norm: role`, GRPO's std per role (`role_normalised_advantages`)."""
+    if alg.norm == "role":
+        return role_normalised_advantages(credit.rewards, credit.keys, credit.roles, units=credit.units)
+    return ADVANTAGES[alg.advantage](credit.rewards, credit.keys, units=credit.units)
 
 
 def episode_metrics(episodes: Sequence[Episode], policy: Policy) -> dict[str, float]:
@@ -382,16 +487,27 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _engine(cfg: Config, policy: Policy) -> Engine:
-    """The rollout engine with the run's tool, started now: a tool that cannot work on this machine (the
-    sandbox without root, say) fails here with its own error, before any step."""
+def _engines(cfg: Config, policy: Policy) -> dict[str, Engine]:
+    """One rollout engine per model, with the run's tool, started now: a tool that cannot work on this
+    machine (the sandbox without root, say) fails here with its own error, before any step."""
     from rolerl.tools import build_tools
 
-    tools = build_tools([] if cfg.rollout.tool == "none" else [cfg.rollout.tool])
-    return Engine(
-        policy.model, policy.tokenizer, max_batch=cfg.rollout.max_batch, max_len=cfg.rollout.max_len,
-        tools=tools,
-    )  # fmt: skip
+    out = {}
+    for name, member in policy.members.items():
+        tools = build_tools([] if cfg.rollout.tool == "none" else [cfg.rollout.tool])
+        out[name] = Engine(
+            member.model, member.tokenizer, max_batch=cfg.rollout.max_batch, max_len=cfg.rollout.max_len,
+            tools=tools,
+        )  # fmt: skip
+    return out
+
+
+def _backend(cfg: Config, engines: dict[str, Engine]) -> RolloutBackend:
+    if cfg.rollout.backend == "lockstep":
+        return LockstepBackend(engines)
+    if len(engines) == 1:
+        return EngineBackend(next(iter(engines.values())))
+    return ModelRouter({name: EngineBackend(engine) for name, engine in engines.items()})
 
 
 def _pad_id(tokenizer) -> int:

@@ -25,6 +25,7 @@ import torch
 from rolerl.algorithms import AggNorm, aggregate
 from rolerl.config import Config
 from rolerl.models.adapters_io import save_adapter
+from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.roles import (
     ANSWER,
@@ -38,8 +39,8 @@ from rolerl.roles import (
     split_segments,
 )
 from rolerl.train.checkpoint import RunDir, prepare_run_dir
+from rolerl.train.optim import lr_factor
 from rolerl.train.policy import Policy, autocast, build_policy, select_rows, token_logprobs
-from rolerl.train.update import lr_factor
 from rolerl.types import TrainBatch, Turn, collate
 
 log = logging.getLogger(__name__)
@@ -155,57 +156,86 @@ def sft(
         roles = list(roles) if roles else sorted({row["role"] for row in data})
         policy = build_policy(cfg, roles)
     roles = list(policy.route_of)
+    for row in data:
+        if row["role"] not in policy.route_of:
+            raise ValueError(
+                f"demonstration role {row['role']!r} is not in the topology; roles: {sorted(roles)}"
+            )
     turns = [
         t
         for row in data
-        for t in demonstration_turns(policy.tokenizer, row, policy.route_of, max_len=cfg.sft.max_len)
+        for t in demonstration_turns(
+            policy.tokenizer_of(row["role"]), row, policy.route_of, max_len=cfg.sft.max_len
+        )
     ]
     if not turns:
         raise ValueError(f"{cfg.sft.data!r} holds no assistant messages to imitate")
-    pad = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else 0
     loss_kinds = None if every_kind else {role: policy.topology.loss_kinds(role) for role in roles}
-    batch_all = collate(
-        turns, [0.0] * len(turns), policy.route_of, role_names=roles, pad_id=pad, loss_kinds=loss_kinds
-    )
-    params = policy.trainable()
+    parts = _parts(policy, turns, roles, loss_kinds)
     steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=cfg.sft.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, o))
+    optimizer = policy.optimizer(cfg.optim, lr=cfg.sft.lr)
     run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard)
     run.write_config(cfg)
     generator = torch.Generator().manual_seed(cfg.run.seed)
     step = 0
-    policy.model.eval()  # no dropout (as in rollouts); train mode also runs p=0 dropout kernels (slow)
+    for member in policy.members.values():
+        member.model.eval()  # no dropout (as in rollouts); train mode also runs p=0 dropout kernels (slow)
     try:
         with ProgressBar("imitation", steps, enabled=cfg.run.progress) as bar:
             for epoch in range(cfg.sft.epochs):
                 for rows in torch.randperm(len(turns), generator=generator).split(cfg.sft.batch_size):
                     t0 = time.perf_counter()
-                    batch = select_rows(batch_all, rows).to(policy.device)
-                    norm = AggNorm.of(batch.loss_mask)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss = 0.0
-                    for start in range(0, len(rows), cfg.train.micro_batch_size):
-                        mb = select_rows(
-                            batch, range(start, min(start + cfg.train.micro_batch_size, len(rows)))
-                        )
-                        part = sft_loss(policy.model, mb, norm, cfg.train.logprob_chunk, policy.bf16)
-                        part.backward()
-                        loss += float(part.detach())
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        params, o.grad_clip if o.grad_clip > 0 else math.inf
-                    )
+                    lr = optimizer.set_lr(lr_factor(step, steps, cfg.optim))
+                    optimizer.zero_grad()
+                    loss, tokens = _imitation_step(parts, rows, cfg, policy.bf16)
+                    norms = optimizer.clip()
                     optimizer.step()
                     step += 1
-                    run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": float(grad_norm),
-                             "lr": scheduler.get_last_lr()[0], "tokens": norm.num_tokens,
+                    run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": norms["global"],
+                             "lr": next(iter(lr.values())), "tokens": tokens,
                              "time/step": time.perf_counter() - t0})  # fmt: skip
-                    scheduler.step()
                     bar.update(step, f"loss {loss:.4f}")
     finally:
         run.close()
     out = Path(cfg.run.dir) / "adapters"
-    for name in policy.adapter_names:
-        save_adapter(policy.model, name, out / name)
+    for member in policy.members.values():
+        for name in adapter_specs(member.model):
+            save_adapter(member.model, name, out / name)
     return out
+
+
+def _parts(
+    policy: Policy, turns: Sequence[Turn], roles: list[str], loss_kinds: Mapping[str, Any] | None
+) -> list[tuple[torch.nn.Module, list[int], TrainBatch]]:
+    """Per model: its model, the global indices of its turns, and those turns collated."""
+    out = []
+    for name, member in policy.members.items():
+        mine = [i for i, t in enumerate(turns) if policy.topology.model(t.role) == name]
+        if mine:
+            pad = member.tokenizer.pad_token_id if member.tokenizer.pad_token_id is not None else 0
+            batch = collate([turns[i] for i in mine], [0.0] * len(mine), policy.route_of, role_names=roles,
+                            pad_id=pad, loss_kinds=loss_kinds)  # fmt: skip
+            out.append((member.model, mine, batch))
+    return out
+
+
+def _imitation_step(parts, rows: torch.Tensor, cfg: Config, bf16: bool) -> tuple[float, float]:
+    """Accumulate one optimizer step's gradients over `rows` (global turn indices, any models); returns the
+    loss and its token count (the normaliser is counted over every model's rows of the step)."""
+    chosen = []
+    for model, mine, batch in parts:
+        where = {r: i for i, r in enumerate(mine)}
+        local = [where[r] for r in rows.tolist() if r in where]
+        if local:
+            chosen.append((model, select_rows(batch, local)))
+    norm = AggNorm.of(*[b.loss_mask for _, b in chosen])
+    loss = 0.0
+    for model, batch in chosen:
+        batch = batch.to(next(model.parameters()).device)
+        b, size = batch.input_ids.shape[0], cfg.train.micro_batch_size
+        for start in range(0, b, size):
+            mb = select_rows(batch, range(start, min(start + size, b)))
+            part = sft_loss(model, mb, norm, cfg.train.logprob_chunk, bf16)
+            part.backward()
+            loss += float(part.detach())
+    return loss, float(norm.num_tokens)

@@ -1,16 +1,26 @@
 """The policy update of one training step: PPO epochs x mini-batches x micro-batches.
 
-Each mini-batch is one optimizer step. Its micro-batches are aggregated with one `AggNorm` counted over
-the whole mini-batch, so the accumulated gradient equals the full mini-batch gradient in every
-aggregation mode (verl#7200, verl PR #906: counting normalisers per micro-batch is the classic bug).
-The loss of a micro-batch is PPO clip on the routed forward, plus `beta` x KL to the reference (the same
-model with route -1) and minus `entropy_coef` x entropy, each per token, weighted per sequence, and
+A mini-batch is one optimizer step of the adapters its rows ran through (`step_policy: per_minibatch`),
+or, with `merged`, each adapter takes one step per epoch with the mean of its mini-batches' gradients
+(PAPERS 1.7: a parallel role whose k instances fill k mini-batches otherwise takes k steps). Mini-batches
+mix every role's rows, or are cut from each role's rows separately (`mini_batch_by: role`, verl's update
+per role). A step's rows may come from several models (`Part`s: the `separate` preset); they are
+shuffled together and a mini-batch's normalisers count all of them.
+
+Each mini-batch's micro-batches are aggregated with one `AggNorm` counted over the whole mini-batch, so
+the accumulated gradient equals the full mini-batch gradient in every aggregation mode (verl#7200, verl
+PR #906: counting normalisers per micro-batch is the classic bug). Each role's share of a mini-batch's
+loss is set by per-sequence weights (`algorithm.role_share`, `rolerl.algorithms.weighting`). The loss of a
+micro-batch is PPO clip on the routed forward, plus each role's `beta` x KL to the reference (the same
+model with route -1) and minus its `entropy_coef` x entropy, each per token, weighted per sequence, and
 aggregated once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -20,8 +30,11 @@ from torch import Tensor, nn
 
 from rolerl.algorithms import KL_ESTIMATORS, AggNorm, aggregate, logp_mismatch, masked_mean, ppo_clip_loss
 from rolerl.algorithms.losses import tis_weights
-from rolerl.config import AlgorithmConfig, OptimConfig
+from rolerl.algorithms.weighting import loss_shares, role_share_weights
+from rolerl.config import AlgorithmConfig
+from rolerl.models.lora import adapter_parameters, adapter_specs
 from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
+from rolerl.train.optim import Optimizer
 from rolerl.train.policy import autocast, select_rows, token_logprobs
 from rolerl.types import TrainBatch
 
@@ -40,6 +53,30 @@ class LossSettings:
     # (DART's gradient masking; `adapters.isolation`). Strict needs `adapter_params`.
     isolation: str = "route"
     adapter_params: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # route -> its parameters
+    role_beta: dict[str, float] = field(default_factory=dict)  # role -> KL weight (default algorithm.beta)
+    role_entropy: dict[str, float] = field(
+        default_factory=dict
+    )  # role -> entropy coef (default the algorithm's)
+    loss_weight: dict[str, float] = field(default_factory=dict)  # role -> loss multiplier (default 1)
+
+    def coefficients(self, mb: TrainBatch, name: str) -> Tensor | float:
+        """`name` (beta, entropy) per row of `mb` `(b, 1)`, or one float when no role overrides it."""
+        table, default = {
+            "beta": (self.role_beta, self.algorithm.beta),
+            "entropy": (self.role_entropy, self.algorithm.entropy_coef),
+        }[name]
+        if not table:
+            return default
+        per_role = torch.tensor([table.get(r, default) for r in mb.role_names], dtype=torch.float32)
+        return per_role.to(mb.weights.device)[mb.role_index[:, 0].clamp(min=0)][:, None]  # (b, 1)
+
+    def uses(self, name: str) -> bool:
+        """Whether any role's `name` coefficient is non-zero (the KL then needs a reference forward)."""
+        table, default = {
+            "beta": (self.role_beta, self.algorithm.beta),
+            "entropy": (self.role_entropy, self.algorithm.entropy_coef),
+        }[name]
+        return default > 0 or any(v > 0 for v in table.values())
 
     def logprob_args(self) -> dict:
         return {
@@ -76,7 +113,7 @@ class Sums:
                 self._weigh(k, v.value * v.count, v.count)
             elif k.startswith("loss/") or k.endswith(("/loss", "/loss_tokens")):
                 self.totals[k] = self.totals.get(k, 0.0) + v
-            elif k.endswith("_max"):
+            elif k.endswith(("_max", "/max_abs")):
                 self.maxima[k] = max(self.maxima.get(k, float("-inf")), v)
             elif k.endswith("_min"):
                 self.minima[k] = min(self.minima.get(k, float("inf")), v)
@@ -140,18 +177,20 @@ def loss_terms(
     )
     per_token = pg.per_token  # (b, T-1)
     metrics = pg.stats.metrics()
-    if alg.beta > 0:
+    if s.uses("beta"):
         # The reference on this very micro-batch (same shapes, same rounding): with zero adapters the KL is
         # exactly 0, which a reference computed once per step over other row groupings would not give.
         with torch.no_grad(), autocast(mb.input_ids.device, s.bf16):
             ref = token_logprobs(model, mb, routes=-1, **s.logprob_args())
         kl = KL_ESTIMATORS[alg.kl](logp, ref.logp)  # (b, T-1)
-        per_token = per_token + alg.beta * kl
+        beta = s.coefficients(mb, "beta")  # a float, or (b, 1) per role
+        per_token = per_token + beta * kl
         metrics["kl"] = float(masked_mean(kl.detach(), mask))
-        metrics["loss/kl"] = _part(alg.beta * kl, mb, mask, alg, norm)
-    if alg.entropy_coef > 0:
-        per_token = per_token - alg.entropy_coef * entropy
-        metrics["loss/entropy"] = _part(-alg.entropy_coef * entropy, mb, mask, alg, norm)
+        metrics["loss/kl"] = _part(beta * kl, mb, mask, alg, norm)
+    if s.uses("entropy"):
+        coef = s.coefficients(mb, "entropy")
+        per_token = per_token - coef * entropy
+        metrics["loss/entropy"] = _part(-coef * entropy, mb, mask, alg, norm)
     metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
     metrics["loss/pg"] = _part(pg.per_token, mb, mask, alg, norm)
     weighted = per_token * mb.weights[:, None].to(per_token.dtype)  # (b, T-1) per-sequence weights
@@ -209,7 +248,9 @@ def backward(weighted: Tensor, mb: TrainBatch, norm: AggNorm, s: LossSettings) -
 
 def _part(per_token: Tensor, mb: TrainBatch, mask: Tensor, alg: AlgorithmConfig, norm: AggNorm) -> float:
     """One term's share of the aggregated loss (for metrics)."""
-    return float(aggregate(per_token.detach() * mb.weights[:, None], mask, alg.loss_agg, norm))
+    return float(
+        aggregate(per_token.detach() * mb.weights[:, None].to(per_token.dtype), mask, alg.loss_agg, norm)
+    )
 
 
 def accumulate_gradients(
@@ -219,15 +260,17 @@ def accumulate_gradients(
     s: LossSettings,
     micro_batch_size: int,
     tick: Callable[[], None] = lambda: None,
+    norm: AggNorm | None = None,
 ) -> tuple[float, Sums, Tensor]:
-    """Backward over `batch` in micro-batches, with the normalisers of the whole `batch`.
+    """Backward over `batch` in micro-batches, with the normalisers of the whole `batch` (or `norm`, those
+    of a mini-batch that spans several models' batches).
 
     Returns the total loss (= the full-batch loss), token-weighted metric sums, and the detached trainer
     log-probs `(B, T)` in TrainBatch alignment. Gradients accumulate into `.grad` (not zeroed here).
     `tick` is called after each micro-batch (progress).
     """
     b = batch.input_ids.shape[0]
-    norm = AggNorm.of(batch.loss_mask, horizon=s.horizon)
+    norm = norm if norm is not None else AggNorm.of(batch.loss_mask, horizon=s.horizon)
     logp_all = torch.zeros_like(batch.old_logp)  # (B, T)
     total, sums = 0.0, Sums()
     for start in range(0, b, micro_batch_size):
@@ -262,35 +305,76 @@ def recompute_logprobs(
     return out
 
 
+@dataclass
+class Part:
+    """One model's rows of a step's batch (a step spans several models under the `separate` preset)."""
+
+    model: nn.Module
+    batch: TrainBatch
+    adapters: list[str]  # route index -> adapter name (the model's adapter order)
+    adapter_params: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # for strict isolation
+    aligned: Aligned | None = None  # set by `ppo_update`
+
+    @classmethod
+    def of(cls, model: nn.Module, batch: TrainBatch) -> Part:
+        return cls(model, batch, list(adapter_specs(model)), adapter_parameters(model))
+
+
+@dataclass
+class Schedule:
+    """How a step's rows become optimizer steps (`TrainConfig`)."""
+
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # mini-batches per epoch (when `mini_batch_size` is None)
+    mini_batch_size: int | None = None  # rows per mini-batch; None = split into `mini_batches`
+    by_role: bool = False  # cut mini-batches from each role's rows separately (verl's update per role)
+    merged: bool = False  # step_policy merged: one step per adapter per epoch over all its mini-batches
+
+    def mini_batches_of(self, order: Tensor, roles: Sequence[str]) -> list[Tensor]:
+        """The epoch's mini-batches (global row indices) given a shuffled `order` and each row's role."""
+        pools = [order]
+        if self.by_role:
+            pools = [order[torch.tensor([roles[i] == r for i in order.tolist()], dtype=torch.bool)]
+                     for r in dict.fromkeys(roles)]  # fmt: skip
+        out = []
+        for pool in pools:
+            if self.mini_batch_size is not None:
+                out += list(pool.split(self.mini_batch_size))
+            else:
+                out += list(pool.tensor_split(self.mini_batches))
+        return [rows for rows in out if len(rows)]
+
+
 def ppo_update(
-    model: nn.Module,
-    params: Sequence[nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    batch: TrainBatch,
+    parts: Sequence[Part],
+    optimizer: Optimizer,
     s: LossSettings,
+    schedule: Schedule,
     *,
-    ppo_epochs: int,
-    mini_batches: int,
     micro_batch_size: int,
-    grad_clip: float,
     generator: torch.Generator,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
-    """PPO epochs over `batch`; each of `mini_batches` shuffled row subsets is one optimizer step.
+    """PPO epochs over the step's rows (one `Part` per model); each mini-batch is one optimizer step of the
+    adapters it touched, or (`schedule.merged`) each adapter takes one step per epoch.
 
-    `old_logp: recompute` (or TIS, or several mini-batches) runs one no-grad forward first, so the
-    mismatch to the rollout's log-probs is measured before any update; otherwise the first (only)
-    mini-batch's forward is that measurement, at no extra cost. `progress(done, total)` is called after
-    each micro-batch forward.
+    Rows of all parts are shuffled together; a mini-batch's normaliser (`AggNorm`) and role shares are
+    counted over all its rows. `old_logp: recompute` (or TIS, or several mini-batches) runs one no-grad
+    forward first, so the mismatch to the rollout's log-probs is measured before any update; otherwise the
+    first mini-batches' forwards are that measurement, at no extra cost. `progress(done, total)` is called
+    after each micro-batch forward.
     """
     alg = s.algorithm
-    mask = batch.loss_mask
-    b = batch.input_ids.shape[0]
-    recompute = alg.old_logp == "recompute" or alg.tis_cap is not None or mini_batches > 1
-    per_epoch = sum(
-        math.ceil(len(rows) / micro_batch_size) for rows in torch.arange(b).tensor_split(mini_batches)
-    )
-    total_mb = ppo_epochs * per_epoch + (math.ceil(b / micro_batch_size) if recompute else 0)
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + part.batch.input_ids.shape[0])
+    roles = [r for part in parts for r in part.batch.roles]
+    plan = [schedule.mini_batches_of(torch.arange(offsets[-1]), roles)]  # epoch 0 shape, for the count
+    recompute = alg.old_logp == "recompute" or alg.tis_cap is not None or len(plan[0]) > 1
+    total_mb = schedule.ppo_epochs * sum(
+        math.ceil(len(_local(rows, offsets, i)) / micro_batch_size)
+        for rows in plan[0] for i in range(len(parts)) if len(_local(rows, offsets, i))
+    ) + (sum(math.ceil(p.batch.input_ids.shape[0] / micro_batch_size) for p in parts) if recompute else 0)  # fmt: skip
     done = 0
 
     def tick() -> None:
@@ -299,62 +383,130 @@ def ppo_update(
         if progress is not None:
             progress(done, total_mb)
 
-    metrics: dict[str, float] = {}
-    trainer_logp = recompute_logprobs(model, batch, s, micro_batch_size, tick) if recompute else None
-    if trainer_logp is not None:
-        metrics |= _mismatch(trainer_logp, batch.old_logp, mask, alg.tis_cap)
-    aligned = Aligned(
-        old_logp=trainer_logp if alg.old_logp == "recompute" else batch.old_logp,
-        is_weights=tis_weights(trainer_logp, batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
-    )
-    sums, losses, grad_norms = Sums(), [], []
-    for epoch in range(ppo_epochs):
-        order = torch.randperm(b, generator=generator)
-        for rows in order.tensor_split(mini_batches):
-            if len(rows) == 0:
-                continue
-            sub = select_rows(batch, rows)
-            width = sub.input_ids.shape[1]
-            optimizer.zero_grad(set_to_none=True)
-            loss, mb_sums, logp = accumulate_gradients(
-                model, sub, aligned.rows(rows, width), s, micro_batch_size, tick
-            )
-            if not recompute and epoch == 0:
-                metrics |= _mismatch(logp, sub.old_logp, sub.loss_mask, None)
-            grad_norms.append(_clip(params, grad_clip))
-            optimizer.step()
+    mismatch = Sums()
+    for part in parts:
+        trainer = recompute_logprobs(part.model, part.batch, s, micro_batch_size, tick) if recompute else None
+        if trainer is not None:
+            mismatch.add(0.0, _mismatch(trainer, part.batch.old_logp, part.batch.loss_mask, alg.tis_cap))
+        part.aligned = Aligned(
+            old_logp=trainer if alg.old_logp == "recompute" else part.batch.old_logp,
+            is_weights=tis_weights(trainer, part.batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
+        )
+    sums, losses, norms, touched = Sums(), [], [], Counter()
+    for epoch in range(schedule.ppo_epochs):
+        order = torch.randperm(offsets[-1], generator=generator)
+        batches = schedule.mini_batches_of(order, roles)
+        if schedule.merged:
+            optimizer.zero_grad()
+        for rows in batches:
+            if not schedule.merged:
+                optimizer.zero_grad()
+            measure = not recompute and epoch == 0  # the first forward measures the rollout/trainer mismatch
+            loss, mb_sums, hit = _mini_batch(parts, rows, offsets, s, micro_batch_size, tick, measure)
+            touched.update(hit)
             losses.append(loss)
             sums.merge(mb_sums)
-    metrics |= sums.result(len(losses))
+            if not schedule.merged:
+                norms.append(optimizer.clip())
+                optimizer.step()
+        if schedule.merged:  # each adapter's mean over the mini-batches that touched it
+            for group in optimizer.groups:
+                for p in group.params.values():
+                    if p.grad is not None and touched[group.name] > 1:
+                        p.grad.div_(touched[group.name])
+            norms.append(optimizer.clip())
+            optimizer.step()
+            touched.clear()
+    metrics = mismatch.result() | sums.result(len(losses))
     metrics["loss/total"] = sum(losses) / max(len(losses), 1)
-    metrics["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-    metrics["optimizer_steps"] = float(len(losses))
+    metrics["grad_norm"] = sum(n["global"] for n in norms) / max(len(norms), 1)
+    metrics["optimizer_steps"] = float(len(norms))
+    for group in optimizer.groups:
+        mine = [n[group.name] for n in norms if group.name in n]
+        if mine:
+            metrics[f"adapter/{group.name}/grad_norm"] = sum(mine) / len(mine)
+        metrics[f"adapter/{group.name}/steps"] = float(len(mine))
     return metrics
 
 
-def _mismatch(trainer: Tensor, rollout: Tensor, mask: Tensor, cap: float | None) -> dict[str, float]:
+def _local(rows: Tensor, offsets: Sequence[int], i: int) -> list[int]:
+    """The rows of part `i` among global `rows`, as that part's row indices (in the given order)."""
+    return [r - offsets[i] for r in rows.tolist() if offsets[i] <= r < offsets[i + 1]]
+
+
+def _mini_batch(
+    parts: Sequence[Part],
+    rows: Tensor,
+    offsets: Sequence[int],
+    s: LossSettings,
+    micro_batch_size: int,
+    tick: Callable[[], None],
+    measure: bool,
+) -> tuple[float, Sums, set[str]]:
+    """Accumulate one mini-batch's gradients over every part it has rows of; returns its loss, metric sums
+    and the adapters its rows ran through."""
+    subs = []
+    for i, part in enumerate(parts):
+        local = _local(rows, offsets, i)
+        if local:
+            sub = select_rows(part.batch, local)
+            subs.append((part, local, sub))
+    norm = AggNorm.of(*[sub.loss_mask for _, _, sub in subs], horizon=s.horizon)
+    _share_roles([sub for _, _, sub in subs], s)
+    loss, sums, hit = 0.0, Sums(), set()
+    for part, local, sub in subs:
+        width = sub.input_ids.shape[1]
+        ps = dataclasses.replace(s, adapter_params=part.adapter_params)
+        part_loss, part_sums, logp = accumulate_gradients(
+            part.model, sub, part.aligned.rows(local, width), ps, micro_batch_size, tick, norm
+        )
+        loss += part_loss
+        sums.merge(part_sums)
+        if measure:
+            sums.add(0.0, _mismatch(logp, sub.old_logp, sub.loss_mask, None))
+        live = sub.loss_mask.sum(-1) > 0  # (b,)
+        used = sub.routes[live][sub.attention_mask[live] > 0].unique().tolist()
+        hit |= {part.adapters[a] for a in used if a >= 0}
+    for name, share in _role_shares(subs, s).items():
+        sums.add(0.0, {f"role/{name}/loss_share": Mean(share, 1.0)})
+    return loss, sums, hit
+
+
+def _share_roles(subs: Sequence[TrainBatch], s: LossSettings) -> None:
+    """Scale each row's weight by its role's share factor (`algorithm.role_share`) and loss weight,
+    counted over the whole mini-batch (every part)."""
+    share = s.algorithm.role_share
+    if share == "aggregate" and not s.loss_weight:
+        return
+    lengths = torch.cat([sub.loss_mask.sum(-1).cpu() for sub in subs])  # (B,)
+    role_ids = torch.cat([sub.role_index[:, 0].cpu() for sub in subs])  # (B,)
+    names = subs[0].role_names
+    factor = role_share_weights(lengths, role_ids, names, s.algorithm.loss_agg, share)  # (B,) float64
+    factor *= torch.tensor([s.loss_weight.get(names[r], 1.0) for r in role_ids.tolist()], dtype=torch.float64)
+    start = 0
+    for sub in subs:
+        n = sub.input_ids.shape[0]
+        sub.weights = sub.weights * factor[start : start + n].to(sub.weights)
+        start += n
+
+
+def _role_shares(subs, s: LossSettings) -> dict[str, float]:
+    """Each role's realised share of the mini-batch loss's weight (`loss_shares`)."""
+    batches = [sub for _, _, sub in subs]
+    lengths = torch.cat([b.loss_mask.sum(-1).cpu() for b in batches])
+    role_ids = torch.cat([b.role_index[:, 0].cpu() for b in batches])
+    weights = torch.cat([b.weights.cpu() for b in batches])
+    names = batches[0].role_names
+    return {names[r]: v for r, v in loss_shares(lengths, role_ids, weights, s.algorithm.loss_agg).items()}
+
+
+def _mismatch(trainer: Tensor, rollout: Tensor, mask: Tensor, cap: float | None) -> dict[str, float | Mean]:
+    """The rollout/trainer log-prob mismatch of one batch, as `Sums` entries (means over its loss tokens)."""
     stats = logp_mismatch(trainer, rollout, mask, cap=cap if cap is not None else 2.0)
-    out = stats.metrics()
+    n = float(mask.bool().sum())
+    out: dict[str, float | Mean] = {
+        k: v if k.endswith("/max_abs") else Mean(v, n) for k, v in stats.metrics().items()
+    }
     if cap is None:  # TIS off: its statistics describe nothing that was applied
         out = {k: v for k, v in out.items() if not k.startswith("logp_mismatch/tis")}
     return out
-
-
-def _clip(params: Sequence[nn.Parameter], max_norm: float) -> float:
-    grads = [p for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
-
-
-def lr_factor(step: int, total_steps: int, o: OptimConfig) -> float:
-    """The lr multiplier of (0-based) `step`: linear warm-up over `o.warmup_steps`, then constant or cosine
-    towards `o.min_lr_ratio`; the cosine reaches its floor one step after the last, so the last step learns."""
-    if step < o.warmup_steps:
-        return (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return 1.0
-    progress = min((step - o.warmup_steps) / max(total_steps - o.warmup_steps, 1), 1.0)
-    return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

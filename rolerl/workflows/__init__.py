@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rolerl.tasks.base import Task
-from rolerl.workflows.base import Context, Workflow, derive_seed
+from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
 from rolerl.workflows.single_turn import SingleTurn
 from rolerl.workflows.tir import TIR
 
 WORKFLOWS: dict[str, Callable[[Task], Workflow]] = {"single_turn": SingleTurn, "tir": TIR}
 
-__all__ = ["WORKFLOWS", "Context", "SingleTurn", "TIR", "Workflow", "derive_seed"]
+__all__ = ["WORKFLOWS", "Context", "RoleCalls", "SingleTurn", "TIR", "Workflow", "derive_seed"]

@@ -33,6 +33,23 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+@dataclass(frozen=True)
+class RoleCalls:
+    """How one role's calls run, where it differs from the `Context`'s defaults: the model (and its
+    tokenizer) that serves them, and call settings that leave the trainer's log-probs as they are."""
+
+    model: str = "main"  # the engine that serves the role (`GenerationRequest.model`)
+    tokenizer: Any = None  # None = the context's
+    max_new_tokens: int | None = None
+    top_p: float | None = None
+    max_tool_calls: int | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The `SamplingParams` fields this role overrides."""
+        out = {"max_new_tokens": self.max_new_tokens, "top_p": self.top_p}
+        return {k: v for k, v in out.items() if v is not None}
+
+
 @runtime_checkable
 class Workflow(Protocol):
     roles: tuple[str, ...]  # the roles it calls `ctx.generate` with (the topology is built for these)
@@ -52,6 +69,7 @@ class Context:
     tool: str | None = None  # the engine tool a closed tool tag calls; None = tags are plain text
     tags: Tags = field(default_factory=Tags)
     max_tool_calls: int = 4
+    roles: Mapping[str, RoleCalls] = field(default_factory=dict)  # per-role model and call settings
     turns: list[Turn | None] = field(default_factory=list)  # None: a call still in flight
 
     async def generate(self, role: str, messages_or_ids: Messages | Sequence[int], **sampling: Any) -> Turn:
@@ -64,9 +82,10 @@ class Context:
                 f"run's temperature ({self.sampling.temperature}), so a call sampled at another one would "
                 "get wrong PPO ratios; change rollout.temperature instead"
             )
-        ids = self.prompt_ids(messages_or_ids)
+        calls = self.roles.get(role, RoleCalls())
+        ids = self.prompt_ids(messages_or_ids, role)
         seed = derive_seed(self.seed, len(self.turns))  # call k of this episode
-        params = dataclasses.replace(self.sampling, **{"seed": seed, **sampling})
+        params = dataclasses.replace(self.sampling, **{"seed": seed, **calls.sampling(), **sampling})
         request = GenerationRequest(
             ids,
             params,
@@ -74,7 +93,8 @@ class Context:
             route_of=self.route_of[role],
             tags=self.tags,
             tool=self.tool,
-            max_tool_calls=self.max_tool_calls,
+            max_tool_calls=self.max_tool_calls if calls.max_tool_calls is None else calls.max_tool_calls,
+            model=calls.model,
         )
         self.turns.append(None)  # reserve the call's index before awaiting (seeds stay per call index)
         index = len(self.turns) - 1
@@ -82,17 +102,23 @@ class Context:
         self.turns[index] = turn
         return turn
 
-    def prompt_ids(self, messages_or_ids: Messages | Sequence[int]) -> list[int]:
+    def tokenizer_of(self, role: str | None) -> Any:
+        """The tokenizer of `role`'s model (roles on other models have their own vocabulary)."""
+        calls = self.roles.get(role) if role is not None else None
+        return calls.tokenizer if calls is not None and calls.tokenizer is not None else self.tokenizer
+
+    def prompt_ids(self, messages_or_ids: Messages | Sequence[int], role: str | None = None) -> list[int]:
+        """Token ids of a prompt for `role` (its model's chat template), or `messages_or_ids` as given."""
         if messages_or_ids and isinstance(messages_or_ids[0], int):
             return list(messages_or_ids)
-        enc = self.tokenizer.apply_chat_template(
+        enc = self.tokenizer_of(role).apply_chat_template(
             list(messages_or_ids), add_generation_prompt=True, tokenize=True, return_dict=True
         )
         return list(enc["input_ids"])
 
     def text(self, turn: Turn) -> str:
         """The completion as text (tool output included, special tokens dropped)."""
-        return self.tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
+        return self.tokenizer_of(turn.role).decode(turn.completion_ids, skip_special_tokens=True)
 
     def episode(self, example: Example, reward: float, **metadata: Any) -> Episode:
         """The finished episode: every recorded turn, the outcome reward, and `correct` = reward >= 1."""

@@ -31,7 +31,7 @@ def test_presets_tables():
 
     none = Topology.from_preset("none", ROLES)
     assert none.adapter_names() == [] and none.route_of("coder", {}) == dict.fromkeys(KINDS, -1)
-    assert sorted(PRESETS) == ["dart", "isolated", "masked", "none", "shared"]
+    assert sorted(PRESETS) == ["dart", "isolated", "masked", "none", "separate", "shared"]
 
     masked = Topology.from_preset("masked", ROLES, ["reasoning"])
     assert masked.table == shared.table  # the same routes: only the loss differs

@@ -8,7 +8,6 @@ import logging
 import signal
 
 import pytest
-import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rolerl.models.adapters_io import CorruptFileError
@@ -22,9 +21,9 @@ from rolerl.train.checkpoint import (
     load_newest,
     save_checkpoint,
 )
+from rolerl.train.optim import lr_factor
 from rolerl.train.policy import build_policy
 from rolerl.train.rl import train
-from rolerl.train.update import lr_factor
 from rolerl.workflows import SingleTurn
 from tests.train.test_rl import strip_time, tiny_config
 from tests.workflows.test_single_turn import EchoTask
@@ -161,18 +160,19 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
 def test_load_newest_skips_damaged_files_and_names_the_last_one(tmp_path, caplog):
     cfg = tiny_config(tmp_path)
     policy = build_policy(cfg, ["policy"])
-    optimizer = torch.optim.AdamW(policy.trainable(), lr=1e-3)
+    optimizer = policy.optimizer(cfg.optim)
+    adapters = {"policy": policy.model}
     for step in (1, 2):
-        save_checkpoint(tmp_path, step, policy.model, ["policy"], optimizer, keep_last=3)
+        save_checkpoint(tmp_path, step, adapters, optimizer, keep_last=3)
     weights = tmp_path / "checkpoints" / "step_2" / "adapters" / "policy" / "adapter_model.safetensors"
     weights.write_bytes(b"\x00" * 100)
     with caplog.at_level(logging.WARNING):
-        assert load_newest(tmp_path, policy.model, ["policy"], optimizer)["step"] == 1
+        assert load_newest(tmp_path, adapters, optimizer)["step"] == 1
     assert f"{str(weights)!r} is not a readable safetensors file" in caplog.text
     state = tmp_path / "checkpoints" / "step_1" / "state.pt"
     state.write_text("garbage")
     with pytest.raises(CheckpointError) as error:
-        load_newest(tmp_path, policy.model, ["policy"], optimizer)
+        load_newest(tmp_path, adapters, optimizer)
     message = str(error.value)
     assert message.startswith(
         f"no usable checkpoint in {str(tmp_path)!r}: {str(weights)!r} is not a readable"
@@ -183,7 +183,7 @@ def test_load_newest_skips_damaged_files_and_names_the_last_one(tmp_path, caplog
     )
     assert "\n" not in message and isinstance(error.value, ValueError)
     with pytest.raises(CorruptFileError, match="state.pt' is not a readable checkpoint state"):
-        load_checkpoint(state.parent, policy.model, ["policy"], optimizer)
+        load_checkpoint(state.parent, adapters, optimizer)
 
 
 def test_metrics_with_a_line_cut_short_by_a_kill(tmp_path, caplog):

@@ -69,22 +69,22 @@ def test_an_adapter_that_computed_no_position_is_not_stepped(tokenizer):
     import math
 
     from rolerl.roles import ANSWER, REASONING, shift
-    from rolerl.train.update import ppo_update
+    from rolerl.train.optim import model_optimizer
+    from rolerl.train.update import Part, Schedule, ppo_update
     from rolerl.types import Turn, collate
 
     model, _, route_of = dart_model(tokenizer)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    optimizer = model_optimizer(model, lr=1e-2, weight_decay=0.1)
     s = settings()  # route isolation
 
     def update(batch):
-        ppo_update(model, params, optimizer, batch, s, ppo_epochs=1, mini_batches=1, micro_batch_size=4,
-                   grad_clip=1.0, generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return ppo_update([Part.of(model, batch)], optimizer, s, Schedule(), micro_batch_size=4,
+                          generator=torch.Generator().manual_seed(0))  # fmt: skip
 
     update(hand_batch(model, route_of))  # tool calls: both adapters step, Adam state for both
     tool = adapter_parameters(model)[1]
     before = [p.detach().clone() for p in tool]
-    state = {i: {k: v.clone() for k, v in optimizer.state[p].items()} for i, p in enumerate(tool)}
+    state = {i: {k: v.clone() for k, v in optimizer.torch.state[p].items()} for i, p in enumerate(tool)}
     kinds = [REASONING] * 4 + [ANSWER] * 2
     turns = [
         Turn("policy", [5, 6, 7], [8 + i, 9, 10, 11, 12, 13], kinds, shift(["prompt"] * 3 + kinds, route_of),
@@ -97,6 +97,6 @@ def test_an_adapter_that_computed_no_position_is_not_stepped(tokenizer):
     update(no_tools)
     assert all(torch.equal(b, p) for b, p in zip(before, tool, strict=True))
     for i, p in enumerate(tool):
-        assert all(torch.equal(state[i][k], v) for k, v in optimizer.state[p].items())
+        assert all(torch.equal(state[i][k], v) for k, v in optimizer.torch.state[p].items())
     moved = [not torch.equal(b, p) for b, p in zip(reason_before, adapter_parameters(model)[0], strict=True)]
     assert any(moved) and not math.isnan(float(adapter_parameters(model)[0][0].detach().sum()))

@@ -152,11 +152,10 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 def test_checkpoints_keep_last_k_and_are_atomic(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path)
     policy = build_policy(cfg, ["policy"])
-    params = policy.trainable()
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    opt = policy.optimizer(cfg.optim)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.torch, lambda s: 1.0)
     for step in range(1, 5):
-        save_checkpoint(tmp_path, step, policy.model, ["policy"], opt, sched, keep_last=2)
+        save_checkpoint(tmp_path, step, {"policy": policy.model}, opt, sched, keep_last=2)
     assert [s for s, _ in checkpoints(tmp_path)] == [3, 4]
     state = torch.load(tmp_path / "checkpoints" / "step_4" / "state.pt", weights_only=False)
     assert state["step"] == 4 and {"optimizer", "scheduler", "rng"} <= set(state)
@@ -167,7 +166,7 @@ def test_checkpoints_keep_last_k_and_are_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(tmp_path, 5, policy.model, ["policy"], opt, sched, keep_last=2)
+        save_checkpoint(tmp_path, 5, {"policy": policy.model}, opt, sched, keep_last=2)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"], (
         "no half-written step_5, no temp dir"

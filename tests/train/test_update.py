@@ -12,13 +12,15 @@ import rolerl
 from rolerl.config import AlgorithmConfig, OptimConfig
 from rolerl.models.topology import Topology
 from rolerl.roles import ANSWER, REASONING, TOOL_CALL, TOOL_OUTPUT, shift
+from rolerl.train.optim import lr_factor, model_optimizer
 from rolerl.train.policy import token_logprobs
 from rolerl.train.update import (
     Aligned,
     LossSettings,
+    Part,
+    Schedule,
     accumulate_gradients,
     loss_terms,
-    lr_factor,
     ppo_update,
 )
 from rolerl.types import Turn, collate
@@ -123,10 +125,9 @@ def test_kl_is_exactly_zero_when_adapters_are_zero(tokenizer, kl):
     # (route -1) forwards compute the same values with the same ops, and k1, k3 of equal log-probs are 0.
     assert metrics["kl"] == 0.0 and metrics["loss/kl"] == 0.0
     # Through the whole update too (one optimizer step: its forward sees the zero adapters).
-    params = [p for p in model.parameters() if p.requires_grad]
     update = ppo_update(
-        model, params, torch.optim.AdamW(params, lr=1e-3), batch, settings(beta=0.5, kl=kl),
-        ppo_epochs=1, mini_batches=1, micro_batch_size=2, grad_clip=1.0, generator=torch.Generator(),
+        [Part.of(model, batch)], model_optimizer(model), settings(beta=0.5, kl=kl), Schedule(),
+        micro_batch_size=2, generator=torch.Generator(),
     )  # fmt: skip
     assert update["kl"] == 0.0 and update["loss/kl"] == 0.0
     randomize_adapters(model, seed=1, std=0.1)
@@ -137,12 +138,12 @@ def test_kl_is_exactly_zero_when_adapters_are_zero(tokenizer, kl):
 def test_recompute_gives_ratio_one_and_logs_mismatch_and_tis(tokenizer):
     model, _, route_of = dart_model(tokenizer)
     batch = hand_batch(model, route_of)
-    params = [p for p in model.parameters() if p.requires_grad]
+    opt = model_optimizer(model)
+    params = opt.params
     before = [p.detach().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=1e-3)
     s = settings(old_logp="recompute", tis_cap=2.0)
     metrics = ppo_update(
-        model, params, opt, batch, s, ppo_epochs=1, mini_batches=1, micro_batch_size=2, grad_clip=1.0,
+        [Part.of(model, batch)], opt, s, Schedule(), micro_batch_size=2,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     # Old log-probs recomputed by the same forward: the first (only) pass has ratio 1 (up to the rounding of
@@ -163,15 +164,14 @@ def test_recompute_gives_ratio_one_and_logs_mismatch_and_tis(tokenizer):
 def test_rollout_old_logp_mismatch_from_the_first_pass_and_mini_batches(tokenizer):
     model, _, route_of = dart_model(tokenizer)
     batch = hand_batch(model, route_of)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = model_optimizer(model, grad_clip=0.0)
     one = ppo_update(
-        model, params, opt, batch, settings(), ppo_epochs=1, mini_batches=1, micro_batch_size=3, grad_clip=0.0,
+        [Part.of(model, batch)], opt, settings(), Schedule(), micro_batch_size=3,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     assert 0.1 < one["logp_mismatch/mean_abs"] < 0.5 and "logp_mismatch/tis_weight_mean" not in one
     two = ppo_update(
-        model, params, opt, batch, settings(), ppo_epochs=2, mini_batches=2, micro_batch_size=3, grad_clip=1.0,
+        [Part.of(model, batch)], opt, settings(), Schedule(ppo_epochs=2, mini_batches=2), micro_batch_size=3,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     assert two["optimizer_steps"] == 4.0 and "logp_mismatch/max_abs" in two
