@@ -295,7 +295,10 @@ def loss_settings(cfg: Config, policy: Policy) -> LossSettings:
     return LossSettings(
         algorithm=cfg.algorithm,
         temperature=cfg.rollout.temperature,
-        horizon=cfg.rollout.max_new_tokens,
+        # seq-mean-token-sum-norm's constant: the longest response any role may sample
+        horizon=max(
+            [cfg.rollout.max_new_tokens, *(c.max_new_tokens for c in roles.values() if c.max_new_tokens)]
+        ),
         chunk_size=cfg.train.logprob_chunk,
         bf16=policy.bf16,
         share_prefix=cfg.train.share_prefix,

@@ -146,3 +146,43 @@ def test_custom_table_and_per_adapter_settings_from_yaml(tmp_path):
         build_policy(
             load_config(None, ["model.spec=tiny:llama", "roles.solver.lr_scale=2"]), ["solver", "judge"]
         )
+
+
+def test_sft_imitates_each_role_on_its_own_model_and_tokenizer(tmp_path):
+    import json
+
+    from rolerl.models.adapters_io import load_adapter
+    from rolerl.models.tiny import tiny_from_spec
+    from rolerl.train.sft import sft
+
+    data = tmp_path / "demos.jsonl"
+    rows = [
+        {
+            "role": "solver",
+            "messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}],
+        },
+        {
+            "role": "judge",
+            "messages": [{"role": "user", "content": "5?"}, {"role": "assistant", "content": "yes"}],
+        },
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    cfg = tiny_config(tmp_path / "sft", *SEPARATE, f"sft.data={data}", "sft.epochs=3", "sft.batch_size=2",
+                      "sft.lr=1e-2")  # fmt: skip
+    out = sft(cfg, ["solver", "judge"])
+    metrics = RunDir(tmp_path / "sft", tensorboard=False).read_metrics()
+    assert len(metrics) == 6 and metrics[-1]["loss/sft"] < metrics[0]["loss/sft"]
+    judge, _ = tiny_from_spec("tiny:qwen3:bytes")
+    load_adapter(judge, "judge", out / "judge")  # the byte model's adapter fits the byte model
+    assert any(bool(p.abs().sum() > 0) for n, p in judge.named_parameters() if n.endswith("lora_B.judge"))
+
+
+def test_per_role_call_settings_apply_to_that_roles_calls_only(tmp_path):
+    cfg = tiny_config(tmp_path, "train.steps=1", "adapters.preset=isolated", "roles.judge.max_new_tokens=3",
+                      "roles.judge.top_p=0.5", "rollout.max_new_tokens=12")  # fmt: skip
+    workflow = SolverJudge(EchoTask())
+    train(cfg, task=workflow.task, workflow=workflow)
+    (row,) = RunDir(tmp_path, tensorboard=False).read_metrics()
+    # 8 episodes x 2 judge calls: the role's limit (3) on the first, the call's own (4) on the second
+    assert row["role/judge/tokens"] <= 8 * (3 + 4) < 8 * (12 + 4)
+    assert row["logp_mismatch/max_abs"] < 1e-3, "top_p changes sampling, never the trainer's log-probs"
