@@ -46,3 +46,17 @@ def default_model_cpu():
     from rolerl import load_model
 
     return load_model("default", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """`../shared/data` beside the checkout (or `ROLERL_SHARED_DATA`): the real benchmark files. Missing is
+    an error, not a skip: CI has them, and a test that silently skips proves nothing."""
+    from pathlib import Path
+
+    root = Path(os.environ.get("ROLERL_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    if not (root / "SOURCES.md").is_file():
+        raise pytest.UsageError(
+            f"benchmark data not found at {root}: check out ../shared beside the repo or set ROLERL_SHARED_DATA"
+        )
+    return root
