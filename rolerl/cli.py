@@ -20,6 +20,7 @@ EPILOG = """examples:
   rolerl train configs/smoke.yaml --set train.steps=5 run.dir=runs/smoke
   rolerl train --resume runs/smoke             continue a run from its newest checkpoint
   rolerl sft configs/smoke.yaml --set sft.data=demos.jsonl run.dir=runs/sft
+  rolerl eval --task arithmetic --model tiny:llama --limit 8 --out runs/eval
 """
 
 
@@ -400,6 +401,61 @@ def _run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--task", required=True, help="a benchmark (gsm8k, math500, humaneval, hotpotqa ...) or built-in task"
+    )
+    p.add_argument(
+        "--data", default=None, help="the benchmark's file or directory, or a Hugging Face dataset id"
+    )
+    p.add_argument("--split", default="test", help="(default: %(default)s)")
+    p.add_argument("--workflow", default="single_turn", help="single_turn, tir, ... (default: %(default)s)")
+    _add_model_args(p)
+    p.add_argument("--adapters", default=None, metavar="DIR", help="PEFT adapters to load, one directory per name "
+                   "(e.g. RUN/checkpoints/step_N/adapters or an sft run's adapters/)")  # fmt: skip
+    p.add_argument("--preset", default="shared", help="the topology of --adapters (default: %(default)s)")
+    p.add_argument(
+        "--run",
+        dest="run_dir",
+        default=None,
+        metavar="RUN_DIR",
+        help="a training run: its config and newest checkpoint",
+    )
+    p.add_argument("--n", type=int, default=1, help="samples per example (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=512, help="(default: %(default)s)")
+    p.add_argument("--tool", default=None, help="python, search or none (default: the workflow's)")
+    p.add_argument("--max-tool-calls", type=int, default=4)
+    p.add_argument(
+        "--limit", type=int, default=None, help="evaluate this many examples (default: the whole split)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, metavar="DIR", help="write results.json and samples.jsonl here")
+    p.add_argument("--resume", action="store_true", help="skip the samples already in OUT/samples.jsonl")
+    p.add_argument("--max-batch", type=int, default=32, help="rows decoded at once (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    """Evaluate a model (and adapters) on a task through a workflow: pass@1 (mean@n), pass@k, maj@k, the
+    task's scores (EM/F1...), tool and length statistics; every sample into OUT/samples.jsonl."""
+    from rolerl.eval.harness import EvalSpec, run_eval
+
+    tool = None if args.tool is None else ("" if args.tool == "none" else args.tool)
+    spec = EvalSpec(
+        task=args.task, data=args.data, split=args.split, workflow=args.workflow, model=args.model,
+        dtype=args.dtype, adapters=args.adapters, run=args.run_dir, preset=args.preset, n=args.n,
+        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, tool=tool or None,
+        max_tool_calls=args.max_tool_calls, limit=args.limit, seed=args.seed, out=args.out, resume=args.resume,
+        max_batch=args.max_batch,
+    )  # fmt: skip
+    results = run_eval(spec)
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "generate": (
         "generate with the rollout engine (tools, routes, log-probs)",
@@ -418,6 +474,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     ),
     "train": ("RL-train adapters from a YAML config (GRPO family)", _configure_train, _run_train),
     "sft": ("imitation warm-start of adapters on demonstrations", _configure_sft, _run_sft),
+    "eval": (
+        "evaluate a model and adapters on a benchmark (pass@k, maj@k, EM/F1)",
+        _configure_eval,
+        _run_eval,
+    ),
 }
 
 

@@ -353,6 +353,29 @@ class RoleConfig(Section):
 
 
 @dataclass
+class EvalConfig(Section):
+    _name = "eval"
+    every: int = 0  # evaluate on held-out examples every this many steps (and after the last); 0 = off
+    task: str | None = None  # a task or benchmark name; None = task.name
+    data: str | None = None  # the benchmark's file or dataset id (None = the task's default)
+    split: str = "test"  # held out from training's task.split
+    limit: int = 64  # examples (the same ones every time)
+    n: int = 1  # samples per example (pass@k for k up to n)
+    temperature: float = 0.0  # 0 = greedy (then n must be 1)
+    max_new_tokens: int | None = None  # None = rollout.max_new_tokens
+
+    def check(self) -> None:
+        self.require(self.every >= 0, "every", "an integer >= 0 (0 = off)")
+        self.require(self.limit >= 1, "limit", "an integer >= 1")
+        self.require(self.n >= 1, "n", "an integer >= 1")
+        self.require(self.temperature >= 0, "temperature", "0 (greedy) or a number > 0")
+        if self.temperature == 0 and self.n > 1:
+            raise ConfigError(
+                f"eval.n={self.n} needs sampling: set eval.temperature > 0 (greedy repeats one answer)"
+            )
+
+
+@dataclass
 class DiagnosticsConfig(Section):
     _name = "diagnostics"
     # every this many steps: each role's gradient norm on each adapter and the cosine between roles'
@@ -374,6 +397,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     # more base models by name (the main one is model.spec): {coder: tiny:qwen3}; roles.<r>.model picks one
     models: dict[str, str] = field(default_factory=dict)

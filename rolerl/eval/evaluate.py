@@ -18,7 +18,7 @@ from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.tasks.base import Example
 from rolerl.types import Episode
-from rolerl.workflows.base import Context, Workflow, derive_seed
+from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
 
 
 @dataclass
@@ -68,7 +68,7 @@ class EvalResult:
 
 
 def evaluate(
-    engine: Engine,
+    engine: Engine | Mapping[str, Engine],
     route_of: Mapping[str, Mapping[str, int]],
     workflow: Workflow,
     examples: Sequence[Example],
@@ -76,24 +76,34 @@ def evaluate(
     samples: int = 1,
     greedy: bool = True,
     temperature: float = 1.0,
+    top_p: float = 1.0,
     max_new_tokens: int = 256,
     tool: str | None = "python",
     max_tool_calls: int = 4,
     seed: int = 0,
+    roles: Mapping[str, RoleCalls] | None = None,
     on_episode: Callable[[int, int], None] | None = None,
+    ids: Sequence[int] | None = None,
 ) -> EvalResult:
-    """`samples` episodes of `workflow` per example through `engine`; `on_episode(done, total)` reports
-    progress. The engine is not closed (its tools stay warm for the next evaluation)."""
+    """`samples` episodes of `workflow` per example through `engine` (or one engine per model, with each
+    role's model and call settings in `roles`); `on_episode(done, total)` reports progress. Sample j of
+    example i is seeded by `(seed, ids[i], j)` (`ids` default `range`), so a chunk of a larger evaluation
+    samples what the whole would. The engines are not closed (their tools stay warm for the next one)."""
     if greedy and samples > 1:
         raise ValueError("greedy evaluation with samples > 1 repeats one answer; use greedy=False for pass@k")
-    sampling = SamplingParams(temperature=temperature, greedy=greedy, max_new_tokens=max_new_tokens)
-    backend = LockstepBackend(engine)
+    engines = dict(engine) if isinstance(engine, Mapping) else {"main": engine}
+    sampling = SamplingParams(
+        temperature=temperature, top_p=top_p, greedy=greedy, max_new_tokens=max_new_tokens
+    )
+    backend = LockstepBackend(engines)
+    tokenizer = next(iter(engines.values())).tokenizer
+    ids = list(range(len(examples))) if ids is None else list(ids)
     total, done = len(examples) * samples, 0
 
     async def one(i: int, j: int, example: Example) -> Episode:
         nonlocal done
-        ctx = Context(backend, engine.tokenizer, route_of, sampling, derive_seed(seed, "eval", i, j),
-                      tool=tool, max_tool_calls=max_tool_calls)  # fmt: skip
+        ctx = Context(backend, tokenizer, route_of, sampling, derive_seed(seed, "eval", ids[i], j),
+                      tool=tool, max_tool_calls=max_tool_calls, roles=roles or {})  # fmt: skip
         episode = await backend.episode(workflow.run(ctx, example))
         done += 1
         if on_episode is not None:

@@ -157,6 +157,7 @@ class RoutedLoRALinear(nn.Module):
         self.lora_A = nn.ParameterDict()  # name -> (r, in)
         self.lora_B = nn.ParameterDict()  # name -> (out, r)
         self.lora_dropout = nn.ModuleDict()
+        self.__dict__["_carried"] = ()  # the adapters on this layer (none yet: preset none wraps with none)
         base_layer.weight.requires_grad_(False)
         if base_layer.bias is not None:
             base_layer.bias.requires_grad_(False)

@@ -15,4 +15,29 @@ TASKS: dict[str, Callable[[], Task]] = {
     "synthetic_format": format_task,
 }
 
-__all__ = ["TASKS", "ArithmeticTask", "Example", "Messages", "SyntheticTask", "Task"]
+# Benchmarks read from files (or Hugging Face dataset ids): name -> constructor of (data path or id | None).
+BENCHMARKS: dict[str, Callable[[str | None], Task]] = {}
+
+
+def load_task(name: str, data: str | None = None) -> Task:
+    """The task `name`: a benchmark (`BENCHMARKS`, reading `data`: a file, a directory, or a dataset id;
+    None = its file under the default data directory) or a built-in generator (`TASKS`, no data)."""
+    if name in BENCHMARKS:
+        return BENCHMARKS[name](data)
+    if name in TASKS:
+        if data is not None:
+            raise ValueError(f"task {name!r} generates its problems: it takes no data file ({data!r})")
+        return TASKS[name]()
+    raise ValueError(f"unknown task {name!r}; benchmarks: {sorted(BENCHMARKS)}; built-in: {sorted(TASKS)}")
+
+
+__all__ = [
+    "BENCHMARKS",
+    "TASKS",
+    "ArithmeticTask",
+    "Example",
+    "Messages",
+    "SyntheticTask",
+    "Task",
+    "load_task",
+]

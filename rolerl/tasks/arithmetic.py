@@ -73,12 +73,18 @@ class ArithmeticTask:
     def prompt(self, example: Example) -> Messages:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example.question}]
 
-    def reward(self, example: Example, text: str) -> float:
+    def answer_of(self, text: str) -> str | None:
+        """The final answer as the reward reads it, normalised (an integer string), or None: what maj@k
+        votes on."""
         answer = extract_answer(text)
         if answer is None and self.lenient:
             found = _LAST_INT.findall(text)
             answer = found[-1] if found else None
         value = parse_int(answer)
+        return None if value is None else str(value)
+
+    def reward(self, example: Example, text: str) -> float:
+        value = self.answer_of(text)
         if value is None:
             return 0.0
-        return 1.0 if value == int(example.answer) else self.format_reward
+        return 1.0 if int(value) == int(example.answer) else self.format_reward

@@ -281,6 +281,11 @@ class SyntheticTask:
     def prompt(self, example: Example) -> Messages:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example.question}]
 
+    def answer_of(self, text: str) -> str | None:
+        """The final answer, normalised, or None (what maj@k votes on)."""
+        value = parse_answer(extract_answer(text))
+        return None if value is None else str(value)
+
     def check(self, example: Example, text: str) -> bool:
         value = parse_answer(extract_answer(text))
         return value is not None and value == int(example.answer)

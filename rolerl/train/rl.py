@@ -27,6 +27,7 @@ import torch
 from rolerl.algorithms import ADVANTAGES, role_normalised_advantages, zero_variance_mask
 from rolerl.config import AlgorithmConfig, Config, ConfigError, load_config
 from rolerl.diagnostics.grad_conflict import role_gradients
+from rolerl.eval.harness import held_out
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.roles import KINDS, POLICY_KINDS, PROMPT
@@ -93,6 +94,7 @@ def train(
     run.write_config(cfg)
     health = ToolHealth()
     backend = _backend(cfg, engines)
+    evaluation = _held_out_set(cfg, task) if cfg.eval.every else None
     last = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
     done = Completed(start, saved=start)
     undo = StepUndo(params, optimizer)
@@ -115,6 +117,11 @@ def train(
                     health=health,
                 )
                 metrics["lr"] = lr
+                if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+                    report = functools.partial(bar.update, step - 1)
+                    report("evaluating on held-out examples")
+                    scores = held_out(cfg, policy, engines, *evaluation, step)
+                    metrics |= {f"eval/{k}": v for k, v in scores.items()}
                 run.log(metrics)
                 done.complete(step, lr)
                 undo.disarm()
@@ -488,6 +495,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _held_out_set(cfg: Config, task: Task) -> tuple[Task, Workflow, list[Example]]:
+    """`eval.task` (default: the training task), its workflow and `eval.limit` examples of `eval.split`."""
+    from rolerl.tasks import load_task
+
+    held = load_task(cfg.eval.task, cfg.eval.data) if cfg.eval.task else task
+    if held is task and cfg.eval.split == cfg.task.split:
+        raise ConfigError(
+            f"eval.split={cfg.eval.split!r} is the training split (task.split): evaluate on held-out examples"
+        )
+    examples = held.examples(cfg.eval.split, cfg.eval.limit, derive_seed(cfg.run.seed, "eval"))
+    return held, WORKFLOWS[cfg.task.workflow](held), examples
 
 
 def _engines(cfg: Config, policy: Policy) -> dict[str, Engine]:

@@ -41,3 +41,13 @@ def test_eval_result_accuracy_pass_at_k_and_families():
     assert r.families() == ["a", "b"] and r.tool_use() == pytest.approx(5 / 12)
     s = r.summary()
     assert s["accuracy/b"] == 0.0 and s["n"] == 3
+
+
+def test_majority_vote_by_hand():
+    from rolerl.eval.metrics import majority_correct
+
+    assert majority_correct([("4", True), ("5", False), ("4", True)])
+    assert not majority_correct([("5", False), ("4", True), ("5", False)])
+    assert majority_correct([("4", True), ("5", False)])  # a tie: the first answer seen wins
+    assert not majority_correct([(None, False), (None, False)])
+    assert majority_correct([(None, False), ("7", True)])  # no answer: no vote

@@ -1,0 +1,365 @@
+"""`rolerl eval`: a model (and optionally trained adapters) on a task's held-out examples, through a
+workflow, with every sample written down.
+
+The harness resolves the task (a built-in name, with `--data` for a file or dataset id), the workflow and
+the policy (a model spec, `--adapters DIR` of PEFT adapters, or `--run RUN` for a training run's config
+and newest checkpoint), samples `n` episodes per example in chunks, appends each sample to
+`samples.jsonl` as it finishes (so `--resume` skips what is there), and writes `results.json`: pass@1
+(mean@n), unbiased pass@k, maj@k where the task extracts answers, the task's own scores (EM, F1 ...),
+tool-call and tool-error rates, tokens and truncation, per-role statistics, and what produced them
+(model, adapters, n, temperature, seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rolerl.eval.metrics import binomial_stderr, majority_correct, pass_at_k
+from rolerl.tasks.base import Example, Task
+from rolerl.types import Episode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSpec:
+    """What `rolerl eval` runs (its flags)."""
+
+    task: str
+    data: str | None = None  # the task's file or dataset id (benchmarks); None = the task's default
+    split: str = "test"
+    workflow: str = "single_turn"
+    model: str = "default"
+    dtype: str = "float32"
+    adapters: str | None = None  # a directory of PEFT adapters named after the topology's adapters
+    run: str | None = None  # a training run: its config (model, topology) and its newest checkpoint
+    preset: str = "shared"  # the topology when `adapters` is given without `run`
+    n: int = 1  # samples per example
+    temperature: float = 0.0  # 0 = greedy (n must then be 1)
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    tool: str | None = None  # None = the workflow's (tir: python)
+    max_tool_calls: int = 4
+    limit: int | None = None  # examples; None = the whole split
+    seed: int = 0
+    out: str | None = None  # directory for results.json and samples.jsonl
+    resume: bool = False
+    chunk: int = 64  # examples per chunk (samples.jsonl grows chunk by chunk)
+    max_batch: int = 32  # rows the engine decodes at once
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"--n={self.n}; allowed: an integer >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature={self.temperature}; allowed: 0 (greedy) or a number > 0")
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError("--n > 1 needs sampling: give --temperature > 0 (greedy repeats one answer)")
+        if self.adapters and self.run:
+            raise ValueError("give --adapters DIR or --run RUN, not both")
+        if self.resume and not self.out:
+            raise ValueError("--resume needs --out DIR (the samples.jsonl to continue)")
+
+
+@dataclass
+class Sample:
+    """One episode of one example, as `samples.jsonl` stores it."""
+
+    id: str
+    sample: int
+    reward: float
+    correct: bool
+    answer: str | None
+    scores: dict[str, float]
+    tokens: int
+    truncated: bool
+    tool_calls: int
+    tool_errors: int
+    roles: dict[str, dict[str, float]]  # role -> {calls, tokens}
+    turns: list[dict[str, Any]] = field(default_factory=list)  # role, prompt, completion, kinds, tools
+
+
+def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[str, Any]:
+    """Evaluate; returns the results dict (also written to `spec.out/results.json` when `out` is set)."""
+    from rolerl.eval.evaluate import evaluate
+    from rolerl.progress import ProgressBar
+    from rolerl.tasks import load_task
+    from rolerl.tools import build_tools
+    from rolerl.workflows import WORKFLOWS
+
+    task = load_task(spec.task, spec.data)
+    if spec.workflow not in WORKFLOWS:
+        raise ValueError(f"--workflow={spec.workflow!r}; allowed: {sorted(WORKFLOWS)}")
+    workflow = WORKFLOWS[spec.workflow](task)
+    examples = _examples(task, spec)
+    out = Path(spec.out) if spec.out else None
+    done = _read_samples(out / "samples.jsonl") if out and spec.resume else {}
+    if out is not None:
+        if not spec.resume and (out / "samples.jsonl").exists():
+            raise ValueError(
+                f"{out}/samples.jsonl exists: continue it with --resume, or choose another --out"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+    policy, cfg, identity = _policy(spec, workflow.roles)
+    tool = spec.tool if spec.tool is not None else ("python" if spec.workflow == "tir" else None)
+    from rolerl.rollout.engine import Engine
+    from rolerl.train.rl import role_calls
+
+    engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch, tools=build_tools([tool] if tool else []))
+               for name, m in policy.members.items()}  # fmt: skip
+    todo = [i for i, ex in enumerate(examples) if any((ex.id, j) not in done for j in range(spec.n))]
+    t0 = time.perf_counter()
+    try:
+        with ProgressBar("eval", len(examples) * spec.n, completed=len(done), enabled=spec.progress) as bar:
+            for start in range(0, len(todo), spec.chunk):
+                chunk = todo[start : start + spec.chunk]
+                result = evaluate(
+                    engines, policy.route_of, workflow, [examples[i] for i in chunk],
+                    samples=spec.n, greedy=spec.temperature == 0, temperature=spec.temperature or 1.0,
+                    top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, tool=tool,
+                    max_tool_calls=spec.max_tool_calls, seed=spec.seed, roles=role_calls(cfg, policy), ids=chunk,
+                    on_episode=lambda k, _: bar.update(len(done) + k),
+                )  # fmt: skip
+                fresh = [
+                    _sample(task, ex, j, ep, policy)
+                    for ex, eps in zip(result.examples, result.episodes, strict=True)
+                    for j, ep in enumerate(eps)
+                    if (ex.id, j) not in done
+                ]
+                for s in fresh:
+                    done[(s.id, s.sample)] = s
+                if out is not None:
+                    _append(out / "samples.jsonl", fresh)
+    finally:
+        for engine in engines.values():
+            engine.close()
+            for t in engine.tools.values():
+                getattr(t, "close", lambda: None)()
+    samples = [done[(ex.id, j)] for ex in examples for j in range(spec.n)]
+    results = {
+        "spec": dataclasses.asdict(spec),
+        "identity": identity,
+        "metrics": summarize(samples, spec.n),
+        "seconds": time.perf_counter() - t0,
+    }
+    if out is not None:
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=2))
+        tmp.replace(out / "results.json")
+    log_line(table(results["metrics"], spec))
+    return results
+
+
+def held_out(
+    cfg, policy, engines, task: Task, workflow, examples: Sequence[Example], step: int
+) -> dict[str, float]:
+    """The RL loop's periodic evaluation (`cfg.eval`) through the run's own engines: `summarize`'s metrics.
+    Its sampling seeds are its own (`eval`, example, sample), so training's samples do not change."""
+    from rolerl.eval.evaluate import evaluate
+    from rolerl.train.rl import role_calls
+
+    e = cfg.eval
+    result = evaluate(
+        engines, policy.route_of, workflow, examples, samples=e.n, greedy=e.temperature == 0,
+        temperature=e.temperature or 1.0, top_p=cfg.rollout.top_p,
+        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+        tool=None if cfg.rollout.tool == "none" else cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
+        seed=cfg.run.seed, roles=role_calls(cfg, policy),
+    )  # fmt: skip
+    samples = [_sample(task, ex, j, ep, policy)
+               for ex, eps in zip(result.examples, result.episodes, strict=True) for j, ep in enumerate(eps)]  # fmt: skip
+    return summarize(samples, e.n) | {"seconds": result.seconds}
+
+
+def summarize(samples: Sequence[Sample], n: int) -> dict[str, float]:
+    """The metrics of `samples` (n per example, grouped by example in order)."""
+    by_example: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_example.setdefault(s.id, []).append(s)
+    rows = list(by_example.values())
+    correct = [[s.correct for s in row] for row in rows]
+    acc = sum(map(sum, correct)) / max(len(samples), 1)
+    out: dict[str, float] = {
+        "examples": float(len(rows)),
+        "samples": float(len(samples)),
+        "pass@1": acc,
+        "stderr": binomial_stderr(sum(c[0] for c in correct) / max(len(rows), 1), len(rows)),
+        "tool_call_rate": sum(s.tool_calls > 0 for s in samples) / max(len(samples), 1),
+        "tool_calls/mean": sum(s.tool_calls for s in samples) / max(len(samples), 1),
+        "tool_error_rate": sum(s.tool_errors for s in samples) / max(sum(s.tool_calls for s in samples), 1),
+        "tokens/mean": sum(s.tokens for s in samples) / max(len(samples), 1),
+        "truncated_rate": sum(s.truncated for s in samples) / max(len(samples), 1),
+    }
+    for k in _ks(n):
+        out[f"pass@{k}"] = sum(pass_at_k(len(c), sum(c), k) for c in correct) / max(len(rows), 1)
+        if k > 1 and all(s.answer is not None for s in samples):
+            out[f"maj@{k}"] = sum(
+                majority_correct([(s.answer, s.correct) for s in row[:k]]) for row in rows
+            ) / max(len(rows), 1)
+    names = sorted({k for s in samples for k in s.scores})
+    for name in names:
+        values = [s.scores[name] for s in samples if name in s.scores]
+        out[name] = sum(values) / max(len(values), 1)
+    roles = sorted({r for s in samples for r in s.roles})
+    for role in roles:
+        mine = [s.roles[role] for s in samples if role in s.roles]
+        out[f"role/{role}/calls"] = sum(m["calls"] for m in mine) / max(len(samples), 1)
+        out[f"role/{role}/tokens"] = sum(m["tokens"] for m in mine) / max(len(samples), 1)
+    return out
+
+
+def table(metrics: dict[str, float], spec: EvalSpec) -> str:
+    """A short plain-text summary."""
+    head = f"{spec.task} ({spec.split}), {int(metrics['examples'])} examples x {spec.n}, workflow {spec.workflow}"
+    lines = [head]
+    for key in ("pass@1", *[k for k in metrics if k.startswith(("pass@", "maj@")) and k != "pass@1"]):
+        extra = f" +- {100 * metrics['stderr']:.1f}" if key == "pass@1" and spec.n == 1 else ""
+        lines.append(f"  {key:<16} {100 * metrics[key]:6.1f}%{extra}")
+    for key in ("em", "f1", "tool_call_rate", "tool_error_rate", "truncated_rate"):
+        if key in metrics:
+            lines.append(f"  {key:<16} {100 * metrics[key]:6.1f}%")
+    lines.append(f"  {'tokens/mean':<16} {metrics['tokens/mean']:6.1f}")
+    return "\n".join(lines)
+
+
+def _ks(n: int) -> list[int]:
+    """1, then powers of two up to n, then n."""
+    ks = [1]
+    while ks[-1] * 2 <= n:
+        ks.append(ks[-1] * 2)
+    return sorted({*ks, n})
+
+
+def _examples(task: Task, spec: EvalSpec) -> list[Example]:
+    size = getattr(task, "size", None)
+    total = size(spec.split) if callable(size) else None
+    if spec.limit is None and total is None:
+        raise ValueError(
+            f"task {spec.task!r} does not say how many {spec.split!r} examples it has: give --limit N"
+        )
+    n = spec.limit if total is None else min(spec.limit or total, total)
+    examples = task.examples(spec.split, n, spec.seed)
+    ids = [ex.id for ex in examples]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"task {spec.task!r} gave duplicate example ids; samples.jsonl needs unique ones")
+    return examples
+
+
+def _policy(spec: EvalSpec, roles: Sequence[str]):
+    """The policy to evaluate, its config, and what identifies it (model, adapters, checkpoint)."""
+    from rolerl.config import load_config
+    from rolerl.train.checkpoint import checkpoints
+    from rolerl.train.policy import build_policy
+
+    identity: dict[str, Any] = {"model": spec.model, "dtype": spec.dtype}
+    if spec.run:
+        run = Path(spec.run)
+        cfg = load_config(run / "config.yaml", ["model.device=cpu"] if not _cuda() else [])
+        found = checkpoints(run)
+        init = str(found[-1][1] / "adapters") if found else str(run / "adapters")
+        if not Path(init).is_dir():
+            raise FileNotFoundError(f"--run {run}: no checkpoints/step_N/adapters and no adapters/ directory")
+        cfg = dataclasses.replace(cfg, adapters=dataclasses.replace(cfg.adapters, init=init))
+        identity |= {
+            "model": cfg.model.spec,
+            "run": str(run),
+            "adapters": init,
+            "step": found[-1][0] if found else None,
+        }
+    else:
+        overrides = [
+            f"model.spec={spec.model}",
+            f"model.dtype={spec.dtype}",
+            f"adapters.preset={spec.preset}",
+        ]
+        if spec.adapters:
+            overrides.append(f"adapters.init={spec.adapters}")
+            identity["adapters"] = spec.adapters
+        else:  # the base model alone: fresh adapters are the identity, no need to add any
+            overrides[2] = "adapters.preset=none"
+        cfg = load_config(None, overrides)
+    return build_policy(cfg, roles), cfg, identity
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _sample(task: Task, example: Example, j: int, episode: Episode, policy) -> Sample:
+    text = episode.metadata.get("text")
+    if text is None and episode.turns:
+        text = policy.tokenizer_of(episode.turns[-1].role).decode(
+            episode.turns[-1].completion_ids, skip_special_tokens=True
+        )
+    text = text or ""
+    answer_of = getattr(task, "answer_of", None)
+    scores_of = getattr(task, "scores", None)
+    roles: dict[str, dict[str, float]] = {}
+    turns = []
+    for t in episode.turns:
+        r = roles.setdefault(t.role, {"calls": 0.0, "tokens": 0.0})
+        r["calls"] += 1
+        r["tokens"] += sum(k != "tool_output" for k in t.kinds)
+        tok = policy.tokenizer_of(t.role)
+        turns.append({
+            "role": t.role,
+            "prompt": tok.decode(t.prompt_ids, skip_special_tokens=False),
+            "completion": tok.decode(t.completion_ids, skip_special_tokens=True),
+            "kinds": dict(Counter(t.kinds)),
+            "finish_reason": t.finish_reason,
+            "tool_calls": [{"args": c.args, "output": c.output, "error": c.error} for c in t.tool_calls],
+        })  # fmt: skip
+    calls = [c for t in episode.turns for c in t.tool_calls]
+    return Sample(
+        id=example.id,
+        sample=j,
+        reward=float(episode.reward),
+        correct=bool(episode.metadata.get("correct", episode.reward >= 1.0)),
+        answer=answer_of(text) if answer_of else None,
+        scores=dict(scores_of(example, text)) if scores_of else {},
+        tokens=int(sum(r["tokens"] for r in roles.values())),
+        truncated=any(t.finish_reason == "length" for t in episode.turns),
+        tool_calls=len(calls),
+        tool_errors=sum(c.error for c in calls),
+        roles=roles,
+        turns=turns,
+    )
+
+
+def _append(path: Path, samples: Sequence[Sample]) -> None:
+    """Append whole lines and flush them to disk: a kill loses at most the chunk in flight."""
+    with path.open("a") as f:
+        for s in samples:
+            f.write(json.dumps(dataclasses.asdict(s)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_samples(path: Path) -> dict[tuple[str, int], Sample]:
+    """The samples already written (a last line cut short by a kill is dropped, with a warning)."""
+    if not path.exists():
+        return {}
+    out = {}
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                log.warning("%s: the last line is cut short (a kill mid-write); that sample runs again", path)
+                path.write_text("".join(x + "\n" for x in lines[:-1]))
+                continue
+            raise ValueError(f"{path}:{i + 1}: not JSON; the file is damaged") from None
+        out[(row["id"], row["sample"])] = Sample(**row)
+    return out
