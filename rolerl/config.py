@@ -124,15 +124,16 @@ def _kinds_ok(kinds: list[str] | None) -> bool:
 @dataclass
 class TaskConfig(Section):
     _name = "task"
-    name: str = "arithmetic"  # a key of rolerl.tasks.TASKS
+    name: str = "arithmetic"  # a built-in task (rolerl.tasks.TASKS) or a benchmark (rolerl.tasks.BENCHMARKS)
+    data: str | None = None  # a benchmark's file, directory or dataset id; None = its default location
     workflow: str = "single_turn"  # a key of rolerl.workflows.WORKFLOWS
     split: str = "train"  # the split RL samples tasks from
 
     def check(self) -> None:
-        from rolerl.tasks import TASKS
+        from rolerl.tasks import BENCHMARKS, TASKS
         from rolerl.workflows import WORKFLOWS
 
-        self.require(self.name in TASKS, "name", str(sorted(TASKS)))
+        self.require(self.name in TASKS or self.name in BENCHMARKS, "name", str(sorted([*TASKS, *BENCHMARKS])))
         self.require(self.workflow in WORKFLOWS, "workflow", str(sorted(WORKFLOWS)))
 
 

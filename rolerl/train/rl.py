@@ -35,7 +35,7 @@ from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.rollout.scheduler import EngineBackend, ModelRouter, RolloutBackend
-from rolerl.tasks import TASKS, Example, Task
+from rolerl.tasks import Example, Task, load_task
 from rolerl.train.checkpoint import (
     Completed,
     RunDir,
@@ -81,7 +81,7 @@ def train(
         raise ValueError("resume and overwrite exclude each other: continue the run, or replace it")
     if not resume:
         prepare_run_dir(cfg.run.dir, "train", overwrite=overwrite)
-    task = task if task is not None else TASKS[cfg.task.name]()
+    task = task if task is not None else load_task(cfg.task.name, cfg.task.data)
     workflow = workflow if workflow is not None else WORKFLOWS[cfg.task.workflow](task)
     policy = policy if policy is not None else build_policy(cfg, workflow.roles)
     check_roles(cfg, list(policy.route_of))
@@ -499,8 +499,6 @@ def seed_everything(seed: int) -> None:
 
 def _held_out_set(cfg: Config, task: Task) -> tuple[Task, Workflow, list[Example]]:
     """`eval.task` (default: the training task), its workflow and `eval.limit` examples of `eval.split`."""
-    from rolerl.tasks import load_task
-
     held = load_task(cfg.eval.task, cfg.eval.data) if cfg.eval.task else task
     if held is task and cfg.eval.split == cfg.task.split:
         raise ConfigError(
