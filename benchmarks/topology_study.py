@@ -1,0 +1,140 @@
+"""The topology study of issue 13: `rolerl demo` (imitation warm start, then GRPO with the Python sandbox on
+the built-in word problems) under three topologies at the same total LoRA rank, the same seeds and budget:
+
+- `shared`: one adapter (rank 16) for every token;
+- `dart`: reasoning tokens to `reason`, tool-call tokens to `tool` (rank 8 each: 16 in all);
+- `masked`: one adapter (rank 16), RL loss on reasoning tokens only (the warm start imitates every kind,
+  so the tool format is learned; RL then trains only what the model reasons).
+
+    python benchmarks/topology_study.py run --out runs/study --seeds 0 1     # ~15 min per arm and seed
+    python benchmarks/topology_study.py summarize runs/study                # table + docs/topology_study.png
+
+`run` skips arms whose `results.json` exists, so it resumes after an interruption. `summarize` prints a
+markdown table (held-out accuracy before/after RL per arm and seed, the pooled gain, per-kind RL metrics)
+and plots rollout accuracy per step (mean over seeds) per arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ARMS = {
+    "shared": ["adapters.preset=shared", "adapters.rank=16"],
+    "dart": ["adapters.preset=dart", "adapters.rank=8"],
+    "masked": ["adapters.preset=masked", "adapters.rank=16", "adapters.train_kinds=[reasoning]"],
+}
+
+
+def run(out: Path, seeds: list[int]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:
+        for arm, sets in ARMS.items():
+            target = out / f"{arm}-s{seed}"
+            if (target / "results.json").exists():
+                continue
+            cmd = [sys.executable, "-m", "rolerl.cli", "demo", "--seed", str(seed), "--run-dir", str(target),
+                   "--set", "run.progress=false", *sets]  # fmt: skip
+            print(" ".join(cmd), flush=True)
+            with (out / f"{arm}-s{seed}.log").open("w") as log:
+                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def summarize(out: Path, plot: Path | None) -> str:
+    rows, curves = [], {}
+    for arm in ARMS:
+        for path in sorted(out.glob(f"{arm}-s*/results.json")):
+            seed = int(path.parent.name.rsplit("-s", 1)[1])
+            res = json.loads(path.read_text())
+            ev = res["evals"]
+            metrics = [json.loads(x) for x in (path.parent / "rl" / "metrics.jsonl").read_text().splitlines()]
+            curves.setdefault(arm, []).append([m["accuracy"] for m in metrics])
+            kinds = {k: statistics.mean(m.get(f"kind/{k}/loss_tokens", 0.0) for m in metrics)
+                     for k in ("reasoning", "tool_call", "answer")}  # fmt: skip
+            rows.append({
+                "arm": arm, "seed": seed,
+                "warm": ev["warm/rl"]["accuracy"], "after": ev["rl/rl"]["accuracy"],
+                "format_after": ev["rl/format"]["accuracy"], "n": ev["rl/rl"]["n"],
+                "gain": res["gain"]["points"], "se": res["gain"]["stderr_points"],
+                "rl_min": res.get("rl_s", float("nan")) / 60, "kinds": kinds,
+                "entropy_tool": _mean(metrics, "kind/tool_call/entropy"),
+                "entropy_reason": _mean(metrics, "kind/reasoning/entropy"),
+            })  # fmt: skip
+    lines = [
+        "| arm | seed | warm start: RL families | after RL: RL families | after RL: format families | gain (SE) "
+        "| loss tokens per mini-batch: reasoning / tool call / answer | mean entropy: reasoning / tool call "
+        "| RL wall time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        k = r["kinds"]
+        lines.append(
+            f"| {r['arm']} | {r['seed']} | {100 * r['warm']:.1f}% | {100 * r['after']:.1f}% | "
+            f"{100 * r['format_after']:.1f}% | {r['gain']:+.1f} ({r['se']:.1f}) | "
+            f"{k['reasoning']:.0f} / {k['tool_call']:.0f} / {k['answer']:.0f} | "
+            f"{r['entropy_reason']} / {r['entropy_tool']} | {r['rl_min']:.1f} min |"
+        )
+    lines += ["", "| arm | seeds | mean after RL (RL families) | mean gain |", "|---|---|---|---|"]
+    for arm in ARMS:
+        mine = [r for r in rows if r["arm"] == arm]
+        if mine:
+            lines.append(f"| {arm} | {len(mine)} | {100 * statistics.mean(r['after'] for r in mine):.1f}% | "
+                         f"{statistics.mean(r['gain'] for r in mine):+.1f} |")  # fmt: skip
+    if plot is not None and curves:
+        _plot(curves, plot)
+    return "\n".join(lines)
+
+
+def _mean(metrics: list[dict], key: str) -> str:
+    """The mean of `key` over the steps that logged it ("n/a" when none did: e.g. the entropy of a kind
+    without loss, which the update does not compute)."""
+    values = [m[key] for m in metrics if key in m]
+    return f"{statistics.mean(values):.3f}" if values else "n/a"
+
+
+def _plot(curves: dict[str, list[list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for arm, runs in curves.items():
+        steps = range(1, min(len(r) for r in runs) + 1)
+        mean = [statistics.mean(r[s - 1] for r in runs) for s in steps]
+        ax.plot(list(steps), mean, marker="o", label=f"{arm} ({len(runs)} seeds)")
+        for r in runs:
+            ax.plot(list(steps), r[: len(steps)], alpha=0.25, color=ax.lines[-1].get_color())
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("rollout accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("demo: shared vs dart vs masked (reasoning only), total rank 16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", type=Path, default=Path("runs/study"))
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    s = sub.add_parser("summarize")
+    s.add_argument("out", type=Path)
+    s.add_argument("--plot", type=Path, default=Path("docs/topology_study.png"))
+    args = p.parse_args()
+    if args.command == "run":
+        run(args.out, args.seeds)
+    else:
+        print(summarize(args.out, args.plot))
+
+
+if __name__ == "__main__":
+    main()
