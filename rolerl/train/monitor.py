@@ -1,13 +1,20 @@
-"""What the RL loop tells its user while it runs: progress inside a long step (rollout tokens, update
-micro-batches) and a loud, once-per-run warning when the tool is broken rather than the model's code."""
+"""What the RL loop tells its user while it runs: a step's episode metrics (rewards, tools, per role and
+per kind), progress inside a long step (rollout tokens, update micro-batches) and a loud, once-per-run
+warning when the tool is broken rather than the model's code."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
+
+from rolerl.roles import KINDS, POLICY_KINDS, PROMPT
 from rolerl.rollout.scheduler import RolloutBackend
 from rolerl.types import Episode
 
@@ -69,3 +76,42 @@ def ticker(tick: Callable[[], None], every_s: float = 0.5):
     finally:
         done.set()
         thread.join()
+
+
+def episode_metrics(episodes: Sequence[Episode], policy: Any) -> dict[str, float]:
+    """Rewards, accuracy, lengths, tools and per-role counts of a step's episodes."""
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    turns = [t for e in episodes for t in e.turns]
+    calls = [c for t in turns for c in t.tool_calls]
+    out = {
+        "reward/mean": float(rewards.mean()) if len(rewards) else math.nan,
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "accuracy": sum(_correct(e) for e in episodes) / max(len(episodes), 1),
+        "episodes": float(len(episodes)),
+        "response_length/mean": sum(len(t.completion_ids) for t in turns) / max(len(turns), 1),
+        "truncated_frac": sum(t.finish_reason == "length" for t in turns) / max(len(turns), 1),
+        "tools/calls": float(len(calls)),
+        "tools/errors": float(sum(c.error for c in calls)),  # the code failed, or the tool did
+        "tools/error_rate": sum(c.error for c in calls) / len(calls) if calls else 0.0,
+        "tools/failures": float(sum(c.tool_failed for c in calls)),  # the tool itself failed
+        "tools/timeouts": float(sum(c.timed_out for c in calls)),
+    }
+    for role in policy.route_of:
+        mine = [t for t in turns if t.role == role]
+        out[f"role/{role}/turns"] = float(len(mine))
+        rewards_of = [e.role_rewards.get(role, e.reward) for e in episodes for t in e.turns if t.role == role]
+        if rewards_of:
+            out[f"role/{role}/reward_mean"] = sum(rewards_of) / len(rewards_of)
+        out[f"role/{role}/tokens"] = float(sum(k in POLICY_KINDS for t in mine for k in t.kinds))
+        acted = [e for e in episodes if any(t.role == role for t in e.turns)]
+        if acted:  # the outcome of the episodes the role took part in
+            out[f"role/{role}/accuracy"] = sum(_correct(e) for e in acted) / len(acted)
+    kinds = Counter(k for t in turns for k in t.kinds)
+    for kind in KINDS:
+        if kind != PROMPT:
+            out[f"kind/{kind}/tokens"] = float(kinds[kind])
+    return out
+
+
+def _correct(episode: Episode) -> bool:
+    return bool(episode.metadata.get("correct", episode.reward >= 1.0))

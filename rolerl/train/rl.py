@@ -13,24 +13,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import random
 import time
-from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rolerl.algorithms import ADVANTAGES, role_normalised_advantages, zero_variance_mask
-from rolerl.config import AlgorithmConfig, Config, ConfigError, load_config
+from rolerl.algorithms import zero_variance_mask
+from rolerl.config import Config, ConfigError, load_config
 from rolerl.diagnostics.grad_conflict import role_gradients
 from rolerl.eval.harness import held_out
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
-from rolerl.roles import KINDS, POLICY_KINDS, PROMPT
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
@@ -47,7 +43,8 @@ from rolerl.train.checkpoint import (
     prepare_run_dir,
     save_checkpoint,
 )
-from rolerl.train.monitor import ToolHealth, sampled_tokens, ticker
+from rolerl.train.credit import advantages_of, turn_rewards
+from rolerl.train.monitor import ToolHealth, episode_metrics, sampled_tokens, ticker
 from rolerl.train.optim import Optimizer, lr_factor
 from rolerl.train.policy import Policy, build_policy
 from rolerl.train.update import LossSettings, Part, Schedule, ppo_update
@@ -89,12 +86,12 @@ def train(
     optimizer = policy.optimizer(cfg.optim)
     seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
     start = _restore(cfg, policy, optimizer) if resume else 0  # RNG states restored too
+    evaluation = _held_out_set(cfg, task) if cfg.eval.every else None
     engines = _engines(cfg, policy)  # before any write: a tool that cannot work here stops the run now
     run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard, resume_step=start if resume else None)
     run.write_config(cfg)
     health = ToolHealth()
     backend = _backend(cfg, engines)
-    evaluation = _held_out_set(cfg, task) if cfg.eval.every else None
     last = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
     done = Completed(start, saved=start)
     undo = StepUndo(params, optimizer)
@@ -117,8 +114,7 @@ def train(
                     health=health,
                 )
                 metrics["lr"] = lr
-                if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-                    report = functools.partial(bar.update, step - 1)
+                if evaluation is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                     report("evaluating on held-out examples")
                     scores = held_out(cfg, policy, engines, *evaluation, step)
                     metrics |= {f"eval/{k}": v for k, v in scores.items()}
@@ -396,99 +392,6 @@ def role_calls(cfg: Config, policy: Policy) -> dict[str, RoleCalls]:
             max_tool_calls=rc.max_tool_calls if rc else None,
         )
     return out
-
-
-@dataclass
-class Credit:
-    """Every model call of a step with its reward, advantage group, episode (the unit that counts once
-    in a group's statistics) and role."""
-
-    turns: list[Turn]
-    rewards: torch.Tensor  # (N,) float64
-    keys: list[Hashable]  # advantage group of each call
-    units: list[int]  # the episode of each call
-    roles: list[str]
-
-
-def turn_rewards(episodes: Sequence[Episode], alg: AlgorithmConfig | str) -> Credit:
-    """Every call's reward under `alg.reward` and its advantage group under `alg.group_key`: `task`,
-    `(task, role)` or `(task, role, k)` for the k-th call of that role in its episode.
-
-    Rewards: `outcome` = the episode's; `role` = the call's own `Turn.reward`, else its role's
-    `Episode.role_rewards`, else the outcome; `mix` = `mix_alpha` x outcome + the call's or role's own
-    reward (0 when it has none: the multi-agent frameworks' team + local credit)."""
-    if isinstance(alg, str):  # a bare group key: the default credit rule
-        alg = AlgorithmConfig(group_key=alg)  # type: ignore[arg-type]
-    turns, rewards, keys, units, roles = [], [], [], [], []
-    for e, ep in enumerate(episodes):
-        seen: Counter[str] = Counter()
-        for turn in ep.turns:
-            own = turn.reward if turn.reward is not None else ep.role_rewards.get(turn.role)
-            if alg.reward == "outcome":
-                reward = ep.reward
-            elif alg.reward == "role":
-                reward = own if own is not None else ep.reward
-            else:
-                reward = alg.mix_alpha * ep.reward + (own if own is not None else 0.0)
-            turns.append(turn)
-            rewards.append(reward)
-            units.append(e)
-            roles.append(turn.role)
-            if alg.group_key == "task":
-                keys.append(ep.task_id)
-            elif alg.group_key == "role":
-                keys.append((ep.task_id, turn.role))
-            else:
-                keys.append((ep.task_id, turn.role, seen[turn.role]))
-            seen[turn.role] += 1
-    return Credit(turns, torch.tensor(rewards, dtype=torch.float64), keys, units, roles)
-
-
-def advantages_of(alg: AlgorithmConfig, credit: Credit) -> torch.Tensor:
-    """Advantages of every call: `alg.advantage` over the groups, episodes counted once per group; with
-    `alg.norm: role`, GRPO's std per role (`role_normalised_advantages`)."""
-    if alg.norm == "role":
-        return role_normalised_advantages(credit.rewards, credit.keys, credit.roles, units=credit.units)
-    return ADVANTAGES[alg.advantage](credit.rewards, credit.keys, units=credit.units)
-
-
-def episode_metrics(episodes: Sequence[Episode], policy: Policy) -> dict[str, float]:
-    """Rewards, accuracy, lengths, tools and per-role counts of a step's episodes."""
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-    turns = [t for e in episodes for t in e.turns]
-    calls = [c for t in turns for c in t.tool_calls]
-    out = {
-        "reward/mean": float(rewards.mean()) if len(rewards) else math.nan,
-        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "accuracy": sum(_correct(e) for e in episodes) / max(len(episodes), 1),
-        "episodes": float(len(episodes)),
-        "response_length/mean": sum(len(t.completion_ids) for t in turns) / max(len(turns), 1),
-        "truncated_frac": sum(t.finish_reason == "length" for t in turns) / max(len(turns), 1),
-        "tools/calls": float(len(calls)),
-        "tools/errors": float(sum(c.error for c in calls)),  # the code failed, or the tool did
-        "tools/error_rate": sum(c.error for c in calls) / len(calls) if calls else 0.0,
-        "tools/failures": float(sum(c.tool_failed for c in calls)),  # the tool itself failed
-        "tools/timeouts": float(sum(c.timed_out for c in calls)),
-    }
-    for role in policy.route_of:
-        mine = [t for t in turns if t.role == role]
-        out[f"role/{role}/turns"] = float(len(mine))
-        rewards_of = [e.role_rewards.get(role, e.reward) for e in episodes for t in e.turns if t.role == role]
-        if rewards_of:
-            out[f"role/{role}/reward_mean"] = sum(rewards_of) / len(rewards_of)
-        out[f"role/{role}/tokens"] = float(sum(k in POLICY_KINDS for t in mine for k in t.kinds))
-        acted = [e for e in episodes if any(t.role == role for t in e.turns)]
-        if acted:  # the outcome of the episodes the role took part in
-            out[f"role/{role}/accuracy"] = sum(_correct(e) for e in acted) / len(acted)
-    kinds = Counter(k for t in turns for k in t.kinds)
-    for kind in KINDS:
-        if kind != PROMPT:
-            out[f"kind/{kind}/tokens"] = float(kinds[kind])
-    return out
-
-
-def _correct(episode: Episode) -> bool:
-    return bool(episode.metadata.get("correct", episode.reward >= 1.0))
 
 
 def seed_everything(seed: int) -> None:

@@ -14,7 +14,7 @@ from rolerl.rollout.engine import Engine, GenerationRequest
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.tools.base import ToolResult
 from rolerl.train.monitor import ToolHealth
-from rolerl.train.rl import episode_metrics
+from rolerl.train.monitor import episode_metrics
 from rolerl.types import Episode
 
 
