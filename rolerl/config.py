@@ -133,7 +133,9 @@ class TaskConfig(Section):
         from rolerl.tasks import BENCHMARKS, TASKS
         from rolerl.workflows import WORKFLOWS
 
-        self.require(self.name in TASKS or self.name in BENCHMARKS, "name", str(sorted([*TASKS, *BENCHMARKS])))
+        self.require(
+            self.name in TASKS or self.name in BENCHMARKS, "name", str(sorted([*TASKS, *BENCHMARKS]))
+        )
         self.require(self.workflow in WORKFLOWS, "workflow", str(sorted(WORKFLOWS)))
 
 
