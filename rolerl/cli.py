@@ -427,6 +427,10 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=512, help="(default: %(default)s)")
     p.add_argument("--tool", default=None, help="python, search or none (default: the workflow's)")
     p.add_argument("--max-tool-calls", type=int, default=4)
+    p.add_argument("--corpus", default=None, help="--tool search: BM25 over this passage file")
+    p.add_argument(
+        "--search-url", default=None, help="--tool search: a Search-R1-style /retrieve URL instead"
+    )
     p.add_argument(
         "--limit", type=int, default=None, help="evaluate this many examples (default: the whole split)"
     )
@@ -449,10 +453,34 @@ def _run_eval(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, tool=tool or None,
         max_tool_calls=args.max_tool_calls, limit=args.limit, seed=args.seed, out=args.out, resume=args.resume,
         max_batch=args.max_batch,
+        tool_options={k: v for k, v in {"corpus": args.corpus, "url": args.search_url}.items() if v},
     )  # fmt: skip
     results = run_eval(spec)
     if args.json:
         print(json.dumps(results))
+    return 0
+
+
+def _configure_serve_retriever(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "corpus", help="passages: JSONL of {id, title, text} or a JSON list of {title, text} (.gz too)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s; 0.0.0.0 serves other hosts)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--k", type=int, default=3, help="passages per query when a request gives no topk")
+    p.add_argument(
+        "--cache-dir", default=None, help="where the BM25 index is cached (default $ROLERL_CACHE/bm25)"
+    )
+
+
+def _run_serve_retriever(args: argparse.Namespace) -> int:
+    """Serve BM25 retrieval over CORPUS with Search-R1's protocol (POST /retrieve {"queries": [...],
+    "topk": k, "return_scores": true}), for `rollout.tool: search` with `url` on other hosts."""
+    from rolerl.tools.retrieval_http import serve_retriever
+    from rolerl.tools.search import CACHE_DIR, BM25Retriever
+
+    retriever = BM25Retriever(args.corpus, cache_dir=args.cache_dir or CACHE_DIR)
+    serve_retriever(retriever, args.host, args.port, default_k=args.k)
     return 0
 
 
@@ -474,6 +502,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     ),
     "train": ("RL-train adapters from a YAML config (GRPO family)", _configure_train, _run_train),
     "sft": ("imitation warm-start of adapters on demonstrations", _configure_sft, _run_sft),
+    "serve-retriever": (
+        "serve BM25 retrieval over a passage corpus (Search-R1's HTTP protocol)",
+        _configure_serve_retriever,
+        _run_serve_retriever,
+    ),
     "eval": (
         "evaluate a model and adapters on a benchmark (pass@k, maj@k, EM/F1)",
         _configure_eval,

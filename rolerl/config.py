@@ -148,7 +148,12 @@ class RolloutConfig(Section):
     top_p: float = 1.0  # nucleus sampling; 1 = off (the trainer's log-probs are untruncated either way)
     max_batch: int = 32  # rows the engine decodes at once
     max_len: int | None = None  # positions per call (prompt, samples, tool output); None = the model's max
-    tool: Literal["none", "python"] = "none"  # the tool a closed tool tag calls (spliced as tool output)
+    tool: Literal["none", "python", "search"] = (
+        "none"  # the tool a closed tool tag calls (spliced as tool output)
+    )
+    # options of the tool's factory: python: SandboxConfig fields (timeout_s ...); search: corpus (a passage
+    # file) or url (a Search-R1-style /retrieve server), k, timeout_s
+    tool_options: dict[str, bool | int | float | str] = field(default_factory=dict)
     max_tool_calls: int = 4  # per model call
     # lockstep: the engine steps only when every episode waits on it (deterministic, exact resume);
     # threaded: EngineBackend's free-running engine thread (batch composition depends on timing)

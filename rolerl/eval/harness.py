@@ -49,6 +49,9 @@ class EvalSpec:
     max_new_tokens: int = 512
     tool: str | None = None  # None = the workflow's (tir: python)
     max_tool_calls: int = 4
+    tool_options: dict[str, Any] = field(
+        default_factory=dict
+    )  # the tool factory's options (search: corpus/url)
     limit: int | None = None  # examples; None = the whole split
     seed: int = 0
     out: str | None = None  # directory for results.json and samples.jsonl
@@ -114,7 +117,9 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
     from rolerl.rollout.engine import Engine
     from rolerl.train.rl import role_calls
 
-    engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch, tools=build_tools([tool] if tool else []))
+    options = {tool: spec.tool_options} if tool and spec.tool_options else {}
+    engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch,
+                            tools=build_tools([tool] if tool else [], **options))
                for name, m in policy.members.items()}  # fmt: skip
     todo = [i for i, ex in enumerate(examples) if any((ex.id, j) not in done for j in range(spec.n))]
     t0 = time.perf_counter()

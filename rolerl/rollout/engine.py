@@ -354,7 +354,7 @@ class Engine:
         forced = encode_exact(self.tokenizer, format_tool_output(row.req.tags, text))
         room = _max_length(row.req, self.max_len) - len(row.ids) - 1
         forced = forced[: max(room, 0)]
-        call.output, call.error, call.tool_failed = text, not result.ok, failed
+        call.output, call.error, call.tool_failed = text, not result.ok, failed or result.tool_failed
         call.timed_out, call.wall_s = result.timed_out, time.perf_counter() - row.call_started
         call.start, call.end = (
             len(row.ids) - len(row.req.prompt_ids),

@@ -19,6 +19,19 @@ TASKS: dict[str, Callable[[], Task]] = {
 BENCHMARKS: dict[str, Callable[[str | None], Task]] = {}
 
 
+def _qa(name: str) -> Callable[[str | None], Task]:
+    def build(data: str | None) -> Task:
+        from rolerl.tasks.qa import qa_task  # lazily: loading the registry reads no data
+
+        return qa_task(name, data)
+
+    return build
+
+
+for _name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle"):
+    BENCHMARKS[_name] = _qa(_name)
+
+
 def load_task(name: str, data: str | None = None) -> Task:
     """The task `name`: a benchmark (`BENCHMARKS`, reading `data`: a file, a directory, or a dataset id;
     None = its file under the default data directory) or a built-in generator (`TASKS`, no data)."""

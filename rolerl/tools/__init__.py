@@ -40,7 +40,14 @@ def python_tool(**options: object) -> PythonSandbox:
     return PythonSandbox(SandboxConfig(**options))  # type: ignore[arg-type]
 
 
-TOOLS: dict[str, Callable[..., Tool]] = {"python": python_tool}
+def search(**options: object) -> Tool:
+    """The `search` tool: BM25 over a local corpus (`corpus=PATH`) or a retrieval server (`url=...`)."""
+    from rolerl.tools.search import search_tool
+
+    return search_tool(**options)  # type: ignore[arg-type]
+
+
+TOOLS: dict[str, Callable[..., Tool]] = {"python": python_tool, "search": search}
 
 
 def build_tools(names: Iterable[str], **options: dict[str, object]) -> dict[str, Tool]:

@@ -22,6 +22,7 @@ class ToolResult:
     timed_out: bool = False  # the wall-clock limit killed it (exit_code is then -SIGKILL)
     truncated: bool = False  # stdout or stderr was longer than the budget; the head is kept
     wall_s: float = 0.0  # from the moment the tool got the call to its result
+    tool_failed: bool = False  # the tool itself failed (a dead retriever), not the model's call
 
     @property
     def ok(self) -> bool:

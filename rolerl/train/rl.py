@@ -418,7 +418,15 @@ def _engines(cfg: Config, policy: Policy) -> dict[str, Engine]:
 
     out = {}
     for name, member in policy.members.items():
-        tools = build_tools([] if cfg.rollout.tool == "none" else [cfg.rollout.tool])
+        tool = [] if cfg.rollout.tool == "none" else [cfg.rollout.tool]
+        tools = build_tools(
+            tool,
+            **(
+                {cfg.rollout.tool: dict(cfg.rollout.tool_options)}
+                if tool and cfg.rollout.tool_options
+                else {}
+            ),
+        )
         out[name] = Engine(
             member.model, member.tokenizer, max_batch=cfg.rollout.max_batch, max_len=cfg.rollout.max_len,
             tools=tools,
