@@ -28,8 +28,19 @@ def _qa(name: str) -> Callable[[str | None], Task]:
     return build
 
 
+def _code(name: str) -> Callable[[str | None], Task]:
+    def build(data: str | None) -> Task:
+        from rolerl.tasks.code import code_task
+
+        return code_task(name, data)
+
+    return build
+
+
 for _name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle"):
     BENCHMARKS[_name] = _qa(_name)
+for _name in ("humaneval", "mbpp", "mbpp_sanitized"):
+    BENCHMARKS[_name] = _code(_name)
 
 
 def load_task(name: str, data: str | None = None) -> Task:

@@ -16,9 +16,9 @@ from rolerl.config import AlgorithmConfig, ConfigError, load_config
 from rolerl.diagnostics import role_gradients
 from rolerl.models.lora import adapter_specs
 from rolerl.roles import ANSWER, REASONING, shift
+from rolerl.train.credit import advantages_of, turn_rewards
 from rolerl.train.optim import model_optimizer
 from rolerl.train.policy import select_rows, token_logprobs
-from rolerl.train.credit import advantages_of, turn_rewards
 from rolerl.train.update import Aligned, LossSettings, Part, Schedule, accumulate_gradients, ppo_update
 from rolerl.types import Episode, Turn, collate
 from tests.train.test_update import randomize_adapters

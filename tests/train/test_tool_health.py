@@ -13,8 +13,7 @@ from rolerl.roles import encode_exact
 from rolerl.rollout.engine import Engine, GenerationRequest
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.tools.base import ToolResult
-from rolerl.train.monitor import ToolHealth
-from rolerl.train.monitor import episode_metrics
+from rolerl.train.monitor import ToolHealth, episode_metrics
 from rolerl.types import Episode
 
 
