@@ -113,7 +113,9 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
             )
         out.mkdir(parents=True, exist_ok=True)
     policy, cfg, identity = _policy(spec, workflow.roles)
-    tool = spec.tool if spec.tool is not None else ("python" if spec.workflow == "tir" else None)
+    tool = (
+        spec.tool if spec.tool is not None else {"tir": "python", "search_agent": "search"}.get(spec.workflow)
+    )
     from rolerl.rollout.engine import Engine
     from rolerl.train.rl import role_calls
 

@@ -37,6 +37,17 @@ def _code(name: str) -> Callable[[str | None], Task]:
     return build
 
 
+def _math(name: str) -> Callable[[str | None], Task]:
+    def build(data: str | None) -> Task:
+        from rolerl.tasks.math import math_task
+
+        return math_task(name, data)
+
+    return build
+
+
+for _name in ("gsm8k", "math500", "math_train", "aime24", "aime25", "amc23"):
+    BENCHMARKS[_name] = _math(_name)
 for _name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle"):
     BENCHMARKS[_name] = _qa(_name)
 for _name in ("humaneval", "mbpp", "mbpp_sanitized"):

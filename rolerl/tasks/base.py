@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 Messages = list[dict[str, str]]  # chat messages: {"role": "system" | "user" | "assistant", "content": ...}
@@ -33,3 +35,10 @@ class Task(Protocol):
     def reward(self, example: Example, text: str) -> float:
         """The outcome reward of a final text; 1.0 means solved (accuracy counts rewards >= 1)."""
         ...
+
+
+def default_data_dir() -> Path:
+    """Where benchmarks are read from when no path is given: `$ROLERL_SHARED_DATA`, else `shared/data`
+    beside a development checkout of rolerl (as the tests' `shared_data` fixture)."""
+    env = os.environ.get("ROLERL_SHARED_DATA")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
 import re
 import textwrap
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolerl.tasks.base import Example, Messages
+from rolerl.tasks.base import Example, Messages, default_data_dir
 from rolerl.tasks.code_grading import _CANDIDATE, CodeGrade, GradeLimits, _syntax_error, run_tests
 from rolerl.tools import PythonSandbox, python_tool
 
@@ -95,12 +94,6 @@ class CodeDataset:
     source: str  # the file or hub id read
     rows: int  # rows read, skipped ones included
     skipped: list[str] = field(default_factory=list)  # "task_id: why" (or "line N: why") per skipped row
-
-
-def default_data_dir() -> Path:
-    """`$ROLERL_SHARED_DATA`, else `../shared/data` beside the checkout."""
-    env = os.environ.get("ROLERL_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def load_humaneval(data: str | Path | None = None) -> CodeDataset:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
 import random
 import re
 import threading
@@ -27,7 +26,7 @@ from typing import Any, Literal, get_args
 
 from rolerl.eval.qa_metrics import exact_match, extract_answer, f1, normalize_answer
 from rolerl.roles import Tags
-from rolerl.tasks.base import Example, Messages
+from rolerl.tasks.base import Example, Messages, default_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +243,7 @@ class QATask:
         name: str,
         loaders: Mapping[str, Callable[[], QADataset]],
         *,
-        prompt_style: PromptStyle = "search_r1",
+        prompt_style: PromptStyle = "plain",
         metric: Metric = "em",
     ) -> None:
         if prompt_style not in get_args(PromptStyle):
@@ -283,11 +282,16 @@ class QATask:
         return [pool[i] for i in rng.sample(range(len(pool)), n)]
 
     def prompt(self, example: Example) -> Messages:
-        if self.prompt_style == "plain":
-            return [
-                {"role": "system", "content": PLAIN_SYSTEM},
-                {"role": "user", "content": example.question},
-            ]
+        """The closed-book prompt (`plain`, the default), or Search-R1's when `prompt_style` says so."""
+        if self.prompt_style == "search_r1":
+            return self.search_prompt(example)
+        return [
+            {"role": "system", "content": PLAIN_SYSTEM},
+            {"role": "user", "content": example.question},
+        ]
+
+    def search_prompt(self, example: Example) -> Messages:
+        """Search-R1's prompt (the `search_agent` workflow asks for it whatever `prompt_style` is)."""
         q = example.question if example.question.endswith("?") else example.question + "?"  # as Search-R1
         return [{"role": "user", "content": f"{SEARCH_R1_INSTRUCTION} Question: {q}\n"}]
 
@@ -363,12 +367,6 @@ QA_BENCHMARKS: dict[str, Benchmark] = {
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def default_data_dir() -> Path:
-    """`$ROLERL_SHARED_DATA`, else `shared/data` beside the checkout (as the test fixture)."""
-    env = os.environ.get("ROLERL_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
-
-
 def qa_task(
     name: str,
     path: str | Path | None = None,
@@ -376,7 +374,7 @@ def qa_task(
     split: str | None = None,
     splits: Sequence[str] | None = None,
     hub_config: str | None = None,
-    prompt_style: PromptStyle = "search_r1",
+    prompt_style: PromptStyle = "plain",
     metric: Metric = "em",
 ) -> QATask:
     """The benchmark `name` (a key of `QA_BENCHMARKS`). `path`: None = the files under `default_data_dir()`;

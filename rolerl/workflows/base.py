@@ -72,8 +72,16 @@ class Context:
     roles: Mapping[str, RoleCalls] = field(default_factory=dict)  # per-role model and call settings
     turns: list[Turn | None] = field(default_factory=list)  # None: a call still in flight
 
-    async def generate(self, role: str, messages_or_ids: Messages | Sequence[int], **sampling: Any) -> Turn:
-        """One model call as `role`: chat messages (template applied, generation prompt added) or token ids."""
+    async def generate(
+        self,
+        role: str,
+        messages_or_ids: Messages | Sequence[int],
+        *,
+        tags: Tags | None = None,
+        **sampling: Any,
+    ) -> Turn:
+        """One model call as `role`: chat messages (template applied, generation prompt added) or token ids.
+        `tags` replaces the context's tool/answer tags for this call (a search agent's `<search>`)."""
         if role not in self.route_of:
             raise ValueError(f"role {role!r} is not in this run's topology; roles: {sorted(self.route_of)}")
         if sampling.get("temperature", self.sampling.temperature) != self.sampling.temperature:
@@ -91,7 +99,7 @@ class Context:
             params,
             role=role,
             route_of=self.route_of[role],
-            tags=self.tags,
+            tags=tags or self.tags,
             tool=self.tool,
             max_tool_calls=self.max_tool_calls if calls.max_tool_calls is None else calls.max_tool_calls,
             model=calls.model,

@@ -207,12 +207,13 @@ def test_reward_check_scores():
 
 def test_prompts(shared_data):
     ex = Example("nq/test/0", "who wrote hamlet", "Shakespeare")
-    (msg,) = qa_task("nq", shared_data).prompt(ex)
+    (msg,) = qa_task("nq", shared_data).search_prompt(ex)
+    assert qa_task("nq", shared_data, prompt_style="search_r1").prompt(ex) == [msg]
     assert msg["role"] == "user" and msg["content"].endswith("Question: who wrote hamlet?\n")
     for tag in ("<think>", "<search>", "</search>", "<information>", "</information>", "<answer>"):
         assert tag in msg["content"]
     assert (SEARCH_R1_TAGS.tool_open, SEARCH_R1_TAGS.output_open) == ("<search>", "<information>")
-    system, user = qa_task("nq", shared_data, prompt_style="plain").prompt(ex)
+    system, user = qa_task("nq", shared_data).prompt(ex)  # closed book by default
     assert system["role"] == "system" and "<answer>" in system["content"]
     assert user == {"role": "user", "content": "who wrote hamlet"}
 
