@@ -339,7 +339,15 @@ class MathTask:
         return [pool[i] for i in order[:n]]
 
     def prompt(self, example: Example) -> Messages:
-        if self.prompt_style == "boxed":
+        """The prompt of `prompt_style`: step-by-step with a `\\boxed{}` answer, or the tool format."""
+        return self._prompt(example, self.prompt_style)
+
+    def tool_prompt(self, example: Example) -> Messages:
+        """The tool format's prompt whatever `prompt_style` is (the TIR workflow asks for it)."""
+        return self._prompt(example, "tool")
+
+    def _prompt(self, example: Example, style: str) -> Messages:
+        if style == "boxed":
             system = BOXED_SYSTEM
         else:
             t = self.tags

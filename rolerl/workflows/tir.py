@@ -32,7 +32,8 @@ class TIR:
     async def run(self, ctx: Context, example: Example) -> Episode:
         if ctx.tool is None:
             raise ValueError("the tir workflow needs a tool: set rollout.tool (e.g. python)")
-        turn = await ctx.generate("policy", self.task.prompt(example))
+        # a task with several prompt styles (math benchmarks) gives its tool-format prompt here
+        turn = await ctx.generate("policy", getattr(self.task, "tool_prompt", self.task.prompt)(example))
         text = ctx.text(turn)
         reward = self.task.reward(example, text)
         check = getattr(self.task, "check", None)

@@ -224,3 +224,13 @@ def test_hub_ids_load_lazily_with_a_clear_error(monkeypatch):
     assert len(ds) == 0 and len(ds.skipped) == 2  # gsm8k rows need question and '#### n'
     ds = load_benchmark("aime24", "HuggingFaceH4/aime_2024", "train")
     assert [(e.id, e.answer) for e in ds.examples] == [("aime24/train/0", "5")] and ds.skipped[0].row == 1
+
+
+def test_tir_gets_the_tool_prompt_whatever_the_prompt_style(shared_data):
+    from rolerl.tasks.math import math_task
+
+    task = math_task("gsm8k", shared_data)
+    (ex,) = task.examples("test", 1, 0)
+    assert "\\boxed" in task.prompt(ex)[0]["content"]
+    system = task.tool_prompt(ex)[0]["content"]
+    assert "<code>" in system and "<answer>" in system
