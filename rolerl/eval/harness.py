@@ -287,6 +287,7 @@ def _policy(spec: EvalSpec, roles: Sequence[str]):
             f"model.spec={spec.model}",
             f"model.dtype={spec.dtype}",
             f"adapters.preset={spec.preset}",
+            "train.bf16=false",  # nothing trains here: no need to resolve (and log) a training precision
         ]
         if spec.adapters:
             overrides.append(f"adapters.init={spec.adapters}")

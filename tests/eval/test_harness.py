@@ -92,3 +92,17 @@ def test_the_rl_loop_evaluates_every_n_steps_without_changing_training(tmp_path)
     assert [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in b] == a
     with pytest.raises(ValueError, match="eval.split='train' is the training split"):
         train(load_config(None, [*common, f"run.dir={tmp_path / 'bad'}", "eval.every=1", "eval.split=train"]))
+
+
+@pytest.mark.slow
+def test_eval_on_the_default_model_and_a_benchmark_resumes_exactly(tmp_path, shared_data):
+    spec = dict(task="gsm8k", data=str(shared_data), model="default", max_new_tokens=24, limit=4, chunk=2,
+                progress=False)  # fmt: skip
+    full = run_eval(EvalSpec(**spec, out=str(tmp_path / "full")), log_line=lambda _: None)
+    cut = tmp_path / "cut"
+    run_eval(EvalSpec(**spec, out=str(cut)), log_line=lambda _: None)
+    lines = (cut / "samples.jsonl").read_text().splitlines()
+    (cut / "samples.jsonl").write_text(lines[0] + "\n")
+    again = run_eval(EvalSpec(**spec, out=str(cut), resume=True), log_line=lambda _: None)
+    assert again["metrics"] == full["metrics"] and full["metrics"]["examples"] == 4
+    assert full["identity"]["model"] == "default"
