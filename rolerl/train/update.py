@@ -317,7 +317,9 @@ class Part:
 
     @classmethod
     def of(cls, model: nn.Module, batch: TrainBatch) -> Part:
-        return cls(model, batch, list(adapter_specs(model)), adapter_parameters(model))
+        """`model`'s rows; strict isolation differentiates only trainable adapters (a frozen one has none)."""
+        params = {i: [p for p in ps if p.requires_grad] for i, ps in adapter_parameters(model).items()}
+        return cls(model, batch, list(adapter_specs(model)), {i: ps for i, ps in params.items() if ps})
 
 
 @dataclass

@@ -100,3 +100,23 @@ def test_an_adapter_that_computed_no_position_is_not_stepped(tokenizer):
         assert all(torch.equal(state[i][k], v) for k, v in optimizer.torch.state[p].items())
     moved = [not torch.equal(b, p) for b, p in zip(reason_before, adapter_parameters(model)[0], strict=True)]
     assert any(moved) and not math.isnan(float(adapter_parameters(model)[0][0].detach().sum()))
+
+
+def test_strict_isolation_skips_a_frozen_adapter(tokenizer):
+    """A frozen adapter (`per_adapter.<name>.trainable: false`) computes its positions but has nothing to
+    differentiate: strict isolation leaves it out instead of failing."""
+    from rolerl.train.update import Part
+
+    model, _, route_of = dart_model(tokenizer)
+    for n, p in model.named_parameters():
+        if n.endswith(".tool"):
+            p.requires_grad_(False)
+    batch = hand_batch(model, route_of)
+    part = Part.of(model, batch)
+    assert list(part.adapter_params) == [0]
+    base = settings()
+    s = LossSettings(base.algorithm, base.temperature, base.horizon, base.chunk_size, isolation="strict",
+                     adapter_params=part.adapter_params)  # fmt: skip
+    accumulate_gradients(model, batch, Aligned(batch.old_logp), s, micro_batch_size=2)
+    g = grads(model)
+    assert of(g, "reason") and not of(g, "tool")
