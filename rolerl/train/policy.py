@@ -77,16 +77,10 @@ class Policy:
     def tokenizer_of(self, role: str) -> Any:
         return self.members[self.topology.model(role)].tokenizer
 
-    def roles_of(self, model: str) -> list[str]:
-        return [r for r in self.route_of if self.topology.model(r) == model]
-
     @property
     def adapter_names(self) -> list[str]:
         """Every adapter of every model (names are unique across models)."""
         return [n for m in self.members.values() for n in adapter_specs(m.model)]
-
-    def adapters_of(self, model: str) -> list[str]:
-        return list(adapter_specs(self.members[model].model))
 
     def trainable(self) -> list[nn.Parameter]:
         """The trainable adapters' parameters, in group order; an error when there are none (preset `none`,
