@@ -126,7 +126,8 @@ class TaskConfig(Section):
     _name = "task"
     name: str = "arithmetic"  # a built-in task (rolerl.tasks.TASKS) or a benchmark (rolerl.tasks.BENCHMARKS)
     data: str | None = None  # a benchmark's file, directory or dataset id; None = its default location
-    workflow: str = "single_turn"  # a key of rolerl.workflows.WORKFLOWS
+    workflow: str = "single_turn"  # a key of rolerl.workflows.WORKFLOWS, or package.module:Class (your own)
+    workflow_options: dict[str, bool | int | float | str] = field(default_factory=dict)  # its settings
     split: str = "train"  # the split RL samples tasks from
 
     def check(self) -> None:
@@ -136,7 +137,10 @@ class TaskConfig(Section):
         self.require(
             self.name in TASKS or self.name in BENCHMARKS, "name", str(sorted([*TASKS, *BENCHMARKS]))
         )
-        self.require(self.workflow in WORKFLOWS, "workflow", str(sorted(WORKFLOWS)))
+        self.require(
+            self.workflow in WORKFLOWS or ":" in self.workflow, "workflow",
+            f"{sorted(WORKFLOWS)} or package.module:Class",
+        )  # fmt: skip
 
 
 @dataclass

@@ -37,7 +37,8 @@ class EvalSpec:
     task: str
     data: str | None = None  # the task's file or dataset id (benchmarks); None = the task's default
     split: str = "test"
-    workflow: str = "single_turn"
+    workflow: str = "single_turn"  # a built-in name or package.module:Class
+    workflow_options: dict[str, Any] = field(default_factory=dict)  # the workflow's settings
     model: str = "default"
     dtype: str = "float32"
     adapters: str | None = None  # a directory of PEFT adapters named after the topology's adapters
@@ -97,12 +98,10 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
     from rolerl.progress import ProgressBar
     from rolerl.tasks import load_task
     from rolerl.tools import build_tools
-    from rolerl.workflows import WORKFLOWS
+    from rolerl.workflows import load_workflow
 
     task = load_task(spec.task, spec.data)
-    if spec.workflow not in WORKFLOWS:
-        raise ValueError(f"--workflow={spec.workflow!r}; allowed: {sorted(WORKFLOWS)}")
-    workflow = WORKFLOWS[spec.workflow](task)
+    workflow = load_workflow(spec.workflow, task, spec.workflow_options)
     examples = _examples(task, spec)
     out = Path(spec.out) if spec.out else None
     done = _read_samples(out / "samples.jsonl") if out and spec.resume else {}

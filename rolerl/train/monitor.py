@@ -78,8 +78,9 @@ def ticker(tick: Callable[[], None], every_s: float = 0.5):
         thread.join()
 
 
-def episode_metrics(episodes: Sequence[Episode], policy: Any) -> dict[str, float]:
-    """Rewards, accuracy, lengths, tools and per-role counts of a step's episodes."""
+def episode_metrics(episodes: Sequence[Episode], policy: Any, workflow: str = "workflow") -> dict[str, float]:
+    """Rewards, accuracy, lengths, tools, per-role and per-kind counts of a step's episodes, and each kind of
+    malformed output the workflow met (`workflow/<name>/malformed/<case>`: per episode)."""
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
     turns = [t for e in episodes for t in e.turns]
     calls = [c for t in turns for c in t.tool_calls]
@@ -106,6 +107,11 @@ def episode_metrics(episodes: Sequence[Episode], policy: Any) -> dict[str, float
         acted = [e for e in episodes if any(t.role == role for t in e.turns)]
         if acted:  # the outcome of the episodes the role took part in
             out[f"role/{role}/accuracy"] = sum(_correct(e) for e in acted) / len(acted)
+    malformed: Counter[str] = Counter()
+    for e in episodes:
+        malformed.update(e.metadata.get("malformed", {}))
+    for case, count in sorted(malformed.items()):
+        out[f"workflow/{workflow}/malformed/{case}"] = count / max(len(episodes), 1)
     kinds = Counter(k for t in turns for k in t.kinds)
     for kind in KINDS:
         if kind != PROMPT:

@@ -49,7 +49,7 @@ from rolerl.train.optim import Optimizer, lr_factor
 from rolerl.train.policy import Policy, build_policy
 from rolerl.train.update import LossSettings, Part, Schedule, ppo_update
 from rolerl.types import Episode, Turn, collate
-from rolerl.workflows import WORKFLOWS, Context, RoleCalls, Workflow, derive_seed
+from rolerl.workflows import Context, RoleCalls, Workflow, derive_seed, load_workflow
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,11 @@ def train(
     if not resume:
         prepare_run_dir(cfg.run.dir, "train", overwrite=overwrite)
     task = task if task is not None else load_task(cfg.task.name, cfg.task.data)
-    workflow = workflow if workflow is not None else WORKFLOWS[cfg.task.workflow](task)
+    workflow = (
+        workflow
+        if workflow is not None
+        else load_workflow(cfg.task.workflow, task, cfg.task.workflow_options)
+    )
     policy = policy if policy is not None else build_policy(cfg, workflow.roles)
     check_roles(cfg, list(policy.route_of))
     params = policy.trainable()
@@ -252,7 +256,7 @@ def train_step(
     # 2. rewards (the credit rule) -> advantages over the configured groups, each episode counted once
     credit = turn_rewards(episodes, cfg.algorithm)
     turns, rewards, keys = credit.turns, credit.rewards, credit.keys
-    metrics: dict[str, float] = {"step": step} | episode_metrics(episodes, policy)
+    metrics: dict[str, float] = {"step": step} | episode_metrics(episodes, policy, _name(workflow))
     keep = list(range(len(turns)))
     if cfg.algorithm.filter_zero_variance and turns:
         flat = zero_variance_mask(rewards, keys)
@@ -281,6 +285,10 @@ def train_step(
     t2 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0}
     return metrics
+
+
+def _name(workflow: Workflow) -> str:
+    return getattr(workflow, "name", type(workflow).__name__.lower())
 
 
 def schedule(cfg: Config) -> Schedule:
@@ -408,7 +416,7 @@ def _held_out_set(cfg: Config, task: Task) -> tuple[Task, Workflow, list[Example
             f"eval.split={cfg.eval.split!r} is the training split (task.split): evaluate on held-out examples"
         )
     examples = held.examples(cfg.eval.split, cfg.eval.limit, derive_seed(cfg.run.seed, "eval"))
-    return held, WORKFLOWS[cfg.task.workflow](held), examples
+    return held, load_workflow(cfg.task.workflow, held, cfg.task.workflow_options), examples
 
 
 def _engines(cfg: Config, policy: Policy) -> dict[str, Engine]:

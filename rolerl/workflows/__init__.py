@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from rolerl.tasks.base import Task
 from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
@@ -10,10 +12,47 @@ from rolerl.workflows.search_agent import SearchAgent
 from rolerl.workflows.single_turn import SingleTurn
 from rolerl.workflows.tir import TIR
 
-WORKFLOWS: dict[str, Callable[[Task], Workflow]] = {
+WORKFLOWS: dict[str, Callable[..., Workflow]] = {
     "single_turn": SingleTurn,
     "tir": TIR,
     "search_agent": SearchAgent,
 }
 
-__all__ = ["WORKFLOWS", "Context", "RoleCalls", "SearchAgent", "SingleTurn", "TIR", "Workflow", "derive_seed"]
+
+def load_workflow(name: str, task: Task, options: Mapping[str, Any] | None = None) -> Workflow:
+    """The workflow `name` for `task`: a key of `WORKFLOWS`, or `package.module:Class` (any importable
+    class or factory taking the task and keyword options: a user's own workflow, no rolerl edit needed).
+    `options` are the workflow's settings (`task.workflow_options`: rounds, voters, caps ...)."""
+    options = dict(options or {})
+    if name in WORKFLOWS:
+        factory = WORKFLOWS[name]
+    elif ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(
+                f"task.workflow={name!r}: cannot import {attr!r} from {module!r} ({e})"
+            ) from None
+    else:
+        raise ValueError(f"unknown workflow {name!r}; built-in: {sorted(WORKFLOWS)}, or package.module:Class")
+    try:
+        workflow = factory(task, **options)
+    except TypeError as e:
+        raise ValueError(f"workflow {name!r} does not take options {sorted(options)}: {e}") from None
+    if not getattr(workflow, "roles", None):
+        raise ValueError(f"workflow {name!r} has no `roles` (the roles it calls ctx.generate with)")
+    return workflow
+
+
+__all__ = [
+    "WORKFLOWS",
+    "load_workflow",
+    "Context",
+    "RoleCalls",
+    "SearchAgent",
+    "SingleTurn",
+    "TIR",
+    "Workflow",
+    "derive_seed",
+]

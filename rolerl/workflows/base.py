@@ -20,6 +20,7 @@ from rolerl.rollout.sampling import SamplingParams
 from rolerl.rollout.scheduler import RolloutBackend
 from rolerl.tasks.base import Example, Messages
 from rolerl.types import Episode, Turn
+from rolerl.workflows.chat import follow_up_ids
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -71,6 +72,7 @@ class Context:
     max_tool_calls: int = 4
     roles: Mapping[str, RoleCalls] = field(default_factory=dict)  # per-role model and call settings
     turns: list[Turn | None] = field(default_factory=list)  # None: a call still in flight
+    problems: dict[str, int] = field(default_factory=dict)  # malformed outputs by case (`malformed`)
 
     async def generate(
         self,
@@ -110,6 +112,17 @@ class Context:
         self.turns[index] = turn
         return turn
 
+    def follow_up(self, turn: Turn, messages: Messages) -> list[int]:
+        """The prompt ids of a call that continues `turn`'s conversation with `messages` (feedback, a tool
+        result): `turn`'s exact ids, then the chat template around the new messages (`workflows.chat`).
+        Pass them to `generate` instead of re-rendering decoded text."""
+        return follow_up_ids(self.tokenizer_of(turn.role), turn, messages)
+
+    def malformed(self, case: str) -> None:
+        """Count one malformed model output of this episode (`workflow/<name>/malformed/<case>` in the
+        step's metrics); the workflow applies its documented rule and carries on."""
+        self.problems[case] = self.problems.get(case, 0) + 1
+
     def tokenizer_of(self, role: str | None) -> Any:
         """The tokenizer of `role`'s model (roles on other models have their own vocabulary)."""
         calls = self.roles.get(role) if role is not None else None
@@ -131,5 +144,7 @@ class Context:
     def episode(self, example: Example, reward: float, **metadata: Any) -> Episode:
         """The finished episode: every recorded turn, the outcome reward, and `correct` = reward >= 1."""
         metadata.setdefault("correct", reward >= 1.0)
+        if self.problems:
+            metadata.setdefault("malformed", dict(self.problems))
         turns = [t for t in self.turns if t is not None]  # a call never awaited is not part of the episode
         return Episode(task_id=example.id, turns=turns, reward=float(reward), metadata=metadata)

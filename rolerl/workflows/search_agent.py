@@ -22,6 +22,7 @@ SEARCH_TAGS = Tags(
 
 
 class SearchAgent:
+    name = "search_agent"
     roles = ("policy",)
 
     def __init__(self, task: Task) -> None:

@@ -8,6 +8,7 @@ from rolerl.workflows.base import Context
 
 
 class SingleTurn:
+    name = "single_turn"
     roles = ("policy",)
 
     def __init__(self, task: Task) -> None:

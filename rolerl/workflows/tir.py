@@ -24,6 +24,7 @@ from rolerl.workflows.base import Context
 
 
 class TIR:
+    name = "tir"
     roles = ("policy",)
 
     def __init__(self, task: Task) -> None:
