@@ -409,7 +409,13 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
         "--data", default=None, help="the benchmark's file or directory, or a Hugging Face dataset id"
     )
     p.add_argument("--split", default="test", help="(default: %(default)s)")
-    p.add_argument("--workflow", default="single_turn", help="single_turn, tir, ... (default: %(default)s)")
+    p.add_argument(
+        "--workflow", default="single_turn", help="single_turn, tir, search_agent, ... or pkg.module:Class"
+    )
+    p.add_argument(
+        "--option", dest="workflow_options", action="append", default=[], metavar="KEY=VALUE",
+        help="a workflow setting, e.g. --option voters=5 (values parsed as YAML); repeatable",
+    )  # fmt: skip
     _add_model_args(p)
     p.add_argument("--adapters", default=None, metavar="DIR", help="PEFT adapters to load, one directory per name "
                    "(e.g. RUN/checkpoints/step_N/adapters or an sft run's adapters/)")  # fmt: skip
@@ -441,6 +447,19 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
 
 
+def _options(items: list[str]) -> dict:
+    """`KEY=VALUE` strings into a dict, the values parsed as YAML (`voters=5` is the integer 5)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {item!r}: give KEY=VALUE, e.g. --option voters=5")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def _run_eval(args: argparse.Namespace) -> int:
     """Evaluate a model (and adapters) on a task through a workflow: pass@1 (mean@n), pass@k, maj@k, the
     task's scores (EM/F1...), tool and length statistics; every sample into OUT/samples.jsonl."""
@@ -454,6 +473,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         max_tool_calls=args.max_tool_calls, limit=args.limit, seed=args.seed, out=args.out, resume=args.resume,
         max_batch=args.max_batch,
         tool_options={k: v for k, v in {"corpus": args.corpus, "url": args.search_url}.items() if v},
+        workflow_options=_options(args.workflow_options),
     )  # fmt: skip
     results = run_eval(spec)
     if args.json:
