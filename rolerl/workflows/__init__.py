@@ -8,14 +8,18 @@ from typing import Any
 
 from rolerl.tasks.base import Task
 from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
+from rolerl.workflows.eval_opt import EvalOpt
 from rolerl.workflows.search_agent import SearchAgent
 from rolerl.workflows.single_turn import SingleTurn
 from rolerl.workflows.tir import TIR
+from rolerl.workflows.voting import Voting
 
 WORKFLOWS: dict[str, Callable[..., Workflow]] = {
     "single_turn": SingleTurn,
     "tir": TIR,
     "search_agent": SearchAgent,
+    "voting": Voting,
+    "eval_opt": EvalOpt,
 }
 
 
