@@ -9,6 +9,8 @@ from typing import Any
 from rolerl.tasks.base import Task
 from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
 from rolerl.workflows.eval_opt import EvalOpt
+from rolerl.workflows.orch_workers import OrchWorkers
+from rolerl.workflows.reasoner_tools import ReasonerTools
 from rolerl.workflows.search_agent import SearchAgent
 from rolerl.workflows.single_turn import SingleTurn
 from rolerl.workflows.tir import TIR
@@ -20,6 +22,8 @@ WORKFLOWS: dict[str, Callable[..., Workflow]] = {
     "search_agent": SearchAgent,
     "voting": Voting,
     "eval_opt": EvalOpt,
+    "orch_workers": OrchWorkers,
+    "reasoner_tools": ReasonerTools,
 }
 
 

@@ -1,0 +1,120 @@
+"""Orchestrator-workers (paper 3's `orchestrator_workers_propose`, PAPERS 1.3): an orchestrator proposes up
+to `workers` different solution strategies without solving; one worker per strategy solves the whole
+problem with it, all in parallel; a synthesizer compares the workers' solutions and gives the final answer.
+
+Reward: the task's reward on the synthesizer's text, the outcome of every call (paper 3 as launched:
+`use_final_outcome_reward=true` broadcasts the synthesizer's correctness; `algorithm.reward: outcome`).
+Each worker's own credit (`Turn.reward`, read under `algorithm.reward: role | mix`) is the task's reward
+on its own solution: it solves the full problem, so it can be graded like paper 3's Voting generators
+without broadcast. Paper 3 gives the workers and the orchestrator 0.0 without broadcast ("relies on final
+outcome"), which would leave them nothing to learn from; here the orchestrator has no own reward (the
+outcome under `role`, 0 under `mix`). Paper 3 groups all workers of a task's n episodes as one GRPO
+group: `algorithm.group_key: role`; `role_instance` would group the k-th worker of each episode, whose
+strategies differ from episode to episode.
+
+Strategies are parsed from lines that start with "Strategy k:" (any case, markdown bold or headings
+around it), "k." or "k)", or a "-", "*", "+" or "•" bullet; unmarked lines continue the item above until
+a blank line; text before the first item is ignored; duplicates (same words, any case or punctuation) are
+dropped. Malformed output (counted, `workflow/orch_workers/malformed/<case>`):
+- `no_strategies`: nothing parsed; the rule: one worker gets the plain problem (no strategy);
+- `too_many_strategies`: more than `workers` distinct strategies; the first `workers` are kept;
+- `empty_answer`: the synthesizer wrote nothing; graded as the empty text (0 for the built-in tasks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from rolerl.tasks.base import Example, Messages, Task
+from rolerl.types import Episode
+from rolerl.workflows.base import Context
+
+ORCHESTRATOR_SYSTEM = (
+    "You are a problem-solving strategist. Propose at most {m} DIFFERENT strategies for solving the problem "
+    "below. Do NOT solve it. Write each strategy on its own line as 'Strategy 1: ...', 'Strategy 2: ...'."
+)
+WORKER_NOTE = "\n\nSolve the problem using this strategy: {strategy}"
+SYNTHESIZER_NOTE = (
+    "\n\nWorkers solved this problem, each with a different strategy. Their solutions:\n\n{solutions}\n\n"
+    "Compare the solutions (answers that agree deserve more confidence), then give the final answer in "
+    "the format asked above."
+)
+_ITEM = re.compile(
+    r"^\s*(?:[*_#>]+\s*)?(?:strategy\s*\d+\s*[:.)-]?|\d+[.)](?!\d)|[-*+•](?=\s))[*_]*\s*(.*)$", re.IGNORECASE
+)
+
+
+def parse_strategies(text: str) -> list[str]:
+    """The distinct strategies of an orchestrator's reply, in order (uncapped; rules in the module doc)."""
+    items: list[list[str]] = []
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if m := _ITEM.match(line):
+            current = [m.group(1).strip()]
+            items.append(current)
+        elif not line.strip():
+            current = None if current is not None and any(current) else current
+        elif current is not None:
+            current.append(line.strip())
+    out, seen = [], set()
+    for parts in items:
+        strategy = " ".join(p for p in parts if p)
+        key = " ".join(re.findall(r"\w+", strategy.lower()))
+        if key and key not in seen:
+            seen.add(key)
+            out.append(strategy)
+    return out
+
+
+def with_note(messages: Messages, note: str) -> Messages:
+    """`messages` with `note` appended to the last user message (the task's system prompt and its answer
+    format stay as they are)."""
+    out = [dict(m) for m in messages]
+    last = next((m for m in reversed(out) if m["role"] == "user"), None)
+    if last is None:
+        return [*out, {"role": "user", "content": note.strip()}]
+    last["content"] += note
+    return out
+
+
+class OrchWorkers:
+    name = "orch_workers"
+    roles = ("orchestrator", "worker", "synthesizer")
+
+    def __init__(self, task: Task, workers: int = 3) -> None:
+        if workers < 1:
+            raise ValueError(f"orch_workers: workers={workers}; allowed: an integer >= 1")
+        self.task, self.workers = task, workers
+
+    async def run(self, ctx: Context, example: Example) -> Episode:
+        question = [m for m in self.task.prompt(example) if m["role"] != "system"]
+        system = {"role": "system", "content": ORCHESTRATOR_SYSTEM.format(m=self.workers)}
+        plan = await ctx.generate("orchestrator", [system, *question])
+        strategies = parse_strategies(ctx.text(plan))
+        if not strategies:
+            ctx.malformed("no_strategies")
+        elif len(strategies) > self.workers:
+            ctx.malformed("too_many_strategies")
+            strategies = strategies[: self.workers]
+        prompts = [with_note(self.task.prompt(example), WORKER_NOTE.format(strategy=s)) for s in strategies]
+        solved = await asyncio.gather(
+            *[ctx.generate("worker", p) for p in prompts or [self.task.prompt(example)]]
+        )
+        texts = [ctx.text(t) for t in solved]
+        for turn, text in zip(solved, texts, strict=True):
+            turn.reward = self.task.reward(example, text)  # the worker's own credit (module doc)
+        labels = [f"Solution {i + 1} (strategy: {s})" for i, s in enumerate(strategies)] or ["Solution 1"]
+        solutions = "\n\n".join(
+            f"{label}:\n{t.strip() or '(empty)'}" for label, t in zip(labels, texts, strict=True)
+        )
+        final = await ctx.generate(
+            "synthesizer", with_note(self.task.prompt(example), SYNTHESIZER_NOTE.format(solutions=solutions))
+        )
+        text = ctx.text(final)
+        if not text.strip():
+            ctx.malformed("empty_answer")
+        reward = self.task.reward(example, text)
+        check = getattr(self.task, "check", None)
+        correct = check(example, text) if check is not None else reward >= 1.0
+        return ctx.episode(example, reward, correct=correct, text=text, strategies=len(strategies))

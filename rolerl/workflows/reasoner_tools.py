@@ -1,0 +1,143 @@
+"""Reasoner + tool agent (MSARL, PAPERS 3): a reasoner plans and asks for computations in natural language,
+`<request>...</request>`; a `coder` tool agent (its own role, its own small model under `separate`) writes
+Python for each request in `<code>` tags, which the sandbox runs (the engine splices `<output>`); the
+reasoner continues from its own exact ids plus "Result: ..." (`ctx.follow_up`) until it answers in
+`<answer>` tags. Requests are the reasoner's tool calls (`REASONER_TAGS`): its calls stop at
+`</request>` before any tool runs, and under `dart` the request tokens train the tool adapter, as a
+search query does in the search agent. v4's condensing interpreter role is not built: the engine already
+cuts long output to `tool_output_tokens`.
+
+Nested sampling (the MSARL prototype's `n_reasoning x n_code`): each request gets `coder_samples` coder
+calls, gathered in parallel, siblings on one prompt. The reasoner is given the output of the first sample
+whose code ran without error, else the first one's error (the prototype extends the history with the best
+code's output; running is the only score known before the outcome). A coder sample "ran" when it made a
+tool call and its last call did not fail (a coder may fix its code and rerun). With `role_rewards` each
+coder call's `Turn.reward` is the prototype's graded code reward, its "matches the intermediate ground
+truth" read as "the episode is solved": 1.0 if it ran and the episode is solved, 0.2 if it ran and the
+episode is not, 0.0 if it failed or wrote no code; without, the coder gets the outcome. The reasoner's
+reward is the outcome (the task's reward on its last text). MSARL v4 normalises a request's n coder samples
+within their subgroup; no `algorithm.group_key` does exactly that (`role` comes closest: every coder call
+of a task's n episodes in one group, each episode counted once; `role_instance` splits the siblings).
+
+Malformed output (counted, `workflow/reasoner_tools/malformed/<case>`; the call goes on):
+- `no_answer`: a reasoner turn with neither a request nor an answer (or no answer after the cap): graded;
+- `empty_request`: the result is an error message, no coder runs (it counts as a request);
+- `no_code`: a coder sample without a tool call (reward 0); if no sample has one, the result is an error;
+- `tool_cap`: a request beyond `max_tool_requests` is not served; the reasoner is asked to answer now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from rolerl.roles import Tags
+from rolerl.tasks.base import Example, Messages, Task
+from rolerl.types import Episode, Turn
+from rolerl.workflows.base import Context
+
+REASONER_TAGS = Tags(
+    tool_open="<request>", tool_close="</request>", output_open="<result>", output_close="</result>"
+)
+REASONER_SYSTEM = (
+    "Solve the problem step by step. A tool agent can run Python for you: when you need a computation, "
+    "describe it in words inside <request></request> (e.g. <request>compute 17 * 23</request>) and stop; "
+    "its result comes back as 'Result: ...'. Put the final answer inside <answer></answer> tags, e.g. "
+    "<answer>42</answer>."
+)
+CODER_SYSTEM = (
+    "You are a Python tool agent. Write Python code between <code> and </code> that does what the request "
+    "asks and prints the result. It runs, and its output appears between <output> and </output>."
+)
+CAP_MESSAGE = (
+    "No more tool requests are possible ({m} used). Give your final answer now in <answer></answer> tags."
+)
+_ACTION = re.compile(r"<(request|answer)>(.*?)</\1>", re.DOTALL)
+
+
+def next_action(text: str) -> tuple[str | None, str]:
+    """`("request" | "answer", body)` of the first closed request or answer tag in `text`, or `(None, "")`."""
+    m = _ACTION.search(text)
+    return (m.group(1), m.group(2).strip()) if m else (None, "")
+
+
+class ReasonerTools:
+    name = "reasoner_tools"
+    roles = ("reasoner", "coder")
+
+    def __init__(
+        self, task: Task, max_tool_requests: int = 3, coder_samples: int = 1, role_rewards: bool = True
+    ) -> None:
+        if max_tool_requests < 0:
+            raise ValueError(
+                f"reasoner_tools: max_tool_requests={max_tool_requests}; allowed: an integer >= 0"
+            )
+        if coder_samples < 1:
+            raise ValueError(f"reasoner_tools: coder_samples={coder_samples}; allowed: an integer >= 1")
+        self.task, self.max_tool_requests = task, max_tool_requests
+        self.coder_samples, self.role_rewards = coder_samples, role_rewards
+
+    async def run(self, ctx: Context, example: Example) -> Episode:
+        if ctx.tool != "python":
+            raise ValueError("the reasoner_tools workflow needs the Python tool: set rollout.tool=python")
+        question = [m for m in self.task.prompt(example) if m["role"] != "system"]
+        turn = await self._reason(ctx, [{"role": "system", "content": REASONER_SYSTEM}, *question])
+        coders: list[tuple[Turn, bool]] = []  # every coder call and whether its code ran
+        requests = 0
+        while True:
+            action, request = next_action(ctx.text(turn))
+            if action != "request":
+                if action is None:
+                    ctx.malformed("no_answer")
+                break
+            if requests == self.max_tool_requests:
+                ctx.malformed("tool_cap")
+                turn = await self._reason(ctx, self._reply(ctx, turn, CAP_MESSAGE.format(m=requests)))
+                if next_action(ctx.text(turn))[0] != "answer":
+                    ctx.malformed("no_answer")
+                break
+            requests += 1
+            if not request:
+                ctx.malformed("empty_request")
+                result = "error: the request was empty"
+            else:
+                result = await self._tool_work(ctx, example, request, coders)
+            turn = await self._reason(ctx, self._reply(ctx, turn, f"Result: {result}"))
+        text = ctx.text(turn)
+        reward = self.task.reward(example, text)
+        check = getattr(self.task, "check", None)
+        correct = check(example, text) if check is not None else reward >= 1.0
+        if self.role_rewards:  # MSARL's graded tool-agent reward (module doc)
+            for coder, ran in coders:
+                coder.reward = (1.0 if correct else 0.2) if ran else 0.0
+        return ctx.episode(
+            example, reward, correct=correct, text=text, requests=requests, code_ran=sum(r for _, r in coders)
+        )
+
+    async def _reason(self, ctx: Context, prompt: Messages | list[int]) -> Turn:
+        return await ctx.generate("reasoner", prompt, tags=REASONER_TAGS, stop=("</request>", "</answer>"))
+
+    @staticmethod
+    def _reply(ctx: Context, turn: Turn, content: str) -> list[int]:
+        return ctx.follow_up(turn, [{"role": "user", "content": content}])  # token in, token out
+
+    async def _tool_work(
+        self, ctx: Context, example: Example, request: str, coders: list[tuple[Turn, bool]]
+    ) -> str:
+        """One request: `coder_samples` sibling coder calls; the result the reasoner sees (module doc)."""
+        prompt = [
+            {"role": "system", "content": CODER_SYSTEM},
+            {"role": "user", "content": f"Problem: {example.question}\n\nRequest: {request}"},
+        ]
+        samples = await asyncio.gather(*[ctx.generate("coder", prompt) for _ in range(self.coder_samples)])
+        ran = [bool(t.tool_calls) and not t.tool_calls[-1].error for t in samples]
+        for t, ok in zip(samples, ran, strict=True):
+            coders.append((t, ok))
+            if not t.tool_calls:
+                ctx.malformed("no_code")
+        used = [t for t, ok in zip(samples, ran, strict=True) if ok] + [t for t in samples if t.tool_calls]
+        if not used:
+            return "error: the tool agent wrote no code"
+        call = used[0].tool_calls[-1]
+        output = call.output.strip() or "(no output)"
+        return f"error\n{output}" if call.error else output
