@@ -51,3 +51,17 @@ def test_majority_vote_by_hand():
     assert majority_correct([("4", True), ("5", False)])  # a tie: the first answer seen wins
     assert not majority_correct([(None, False), (None, False)])
     assert majority_correct([(None, False), ("7", True)])  # no answer: no vote
+
+
+def test_pass_at_k_equals_the_fraction_of_k_subsets_with_a_right_sample():
+    """The estimator against its definition: over every k-subset of n samples (c right), the share that
+    holds at least one right sample, enumerated."""
+    import itertools
+
+    for n in range(1, 9):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                want = sum(any(s) for s in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
