@@ -59,12 +59,15 @@ class LossSettings:
     )  # role -> entropy coef (default the algorithm's)
     loss_weight: dict[str, float] = field(default_factory=dict)  # role -> loss multiplier (default 1)
 
+    def _per_role(self, name: str) -> tuple[dict[str, float], float]:
+        """`(role -> value, default)` of coefficient `name` (beta, entropy)."""
+        if name == "beta":
+            return self.role_beta, self.algorithm.beta
+        return self.role_entropy, self.algorithm.entropy_coef
+
     def coefficients(self, mb: TrainBatch, name: str) -> Tensor | float:
         """`name` (beta, entropy) per row of `mb` `(b, 1)`, or one float when no role overrides it."""
-        table, default = {
-            "beta": (self.role_beta, self.algorithm.beta),
-            "entropy": (self.role_entropy, self.algorithm.entropy_coef),
-        }[name]
+        table, default = self._per_role(name)
         if not table:
             return default
         per_role = torch.tensor([table.get(r, default) for r in mb.role_names], dtype=torch.float32)
@@ -72,10 +75,7 @@ class LossSettings:
 
     def uses(self, name: str) -> bool:
         """Whether any role's `name` coefficient is non-zero (the KL then needs a reference forward)."""
-        table, default = {
-            "beta": (self.role_beta, self.algorithm.beta),
-            "entropy": (self.role_entropy, self.algorithm.entropy_coef),
-        }[name]
+        table, default = self._per_role(name)
         return default > 0 or any(v > 0 for v in table.values())
 
     def logprob_args(self) -> dict:
