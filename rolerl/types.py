@@ -52,6 +52,9 @@ class Turn:
     # this call's own reward (a workflow may score each voter, each worker); None = its role's or the
     # episode's (`algorithm.reward`)
     reward: float | None = None
+    # sibling group: the calls of one episode with the same `group` (n samples of one request) form an
+    # advantage group of their own, each call counted once, instead of `algorithm.group_key`'s group
+    group: Hashable | None = None
 
     def __post_init__(self) -> None:
         n, m = len(self.completion_ids), len(self.prompt_ids) + len(self.completion_ids)

@@ -23,13 +23,15 @@ class Credit:
     turns: list[Turn]
     rewards: torch.Tensor  # (N,) float64
     keys: list[Hashable]  # advantage group of each call
-    units: list[int]  # the episode of each call
+    units: list[Hashable]  # the unit that counts once in its group: the episode, or the call (siblings)
     roles: list[str]
 
 
 def turn_rewards(episodes: Sequence[Episode], alg: AlgorithmConfig | str) -> Credit:
     """Every call's reward under `alg.reward` and its advantage group under `alg.group_key`: `task`,
-    `(task, role)` or `(task, role, k)` for the k-th call of that role in its episode.
+    `(task, role)` or `(task, role, k)` for the k-th call of that role in its episode. A call with a
+    `Turn.group` is in its episode's sibling group `(task, episode, role, group)` instead, where each call
+    counts once (MSARL's n tool-agent samples of one request, compared with each other).
 
     Rewards: `outcome` = the episode's; `role` = the call's own `Turn.reward`, else its role's
     `Episode.role_rewards`, else the outcome; `mix` = `mix_alpha` x outcome + the call's or role's own
@@ -49,15 +51,17 @@ def turn_rewards(episodes: Sequence[Episode], alg: AlgorithmConfig | str) -> Cre
                 reward = alg.mix_alpha * ep.reward + (own if own is not None else 0.0)
             turns.append(turn)
             rewards.append(reward)
-            units.append(e)
+            units.append(e if turn.group is None else (e, len(turns)))
             roles.append(turn.role)
-            if alg.group_key == "task":
+            if turn.group is not None:
+                keys.append((ep.task_id, e, turn.role, turn.group))
+            elif alg.group_key == "task":
                 keys.append(ep.task_id)
             elif alg.group_key == "role":
                 keys.append((ep.task_id, turn.role))
             else:
                 keys.append((ep.task_id, turn.role, seen[turn.role]))
-            seen[turn.role] += 1
+                seen[turn.role] += 1
     return Credit(turns, torch.tensor(rewards, dtype=torch.float64), keys, units, roles)
 
 

@@ -15,9 +15,9 @@ tool call and its last call did not fail (a coder may fix its code and rerun). W
 coder call's `Turn.reward` is the prototype's graded code reward, its "matches the intermediate ground
 truth" read as "the episode is solved": 1.0 if it ran and the episode is solved, 0.2 if it ran and the
 episode is not, 0.0 if it failed or wrote no code; without, the coder gets the outcome. The reasoner's
-reward is the outcome (the task's reward on its last text). MSARL v4 normalises a request's n coder samples
-within their subgroup; no `algorithm.group_key` does exactly that (`role` comes closest: every coder call
-of a task's n episodes in one group, each episode counted once; `role_instance` splits the siblings).
+reward is the outcome (the task's reward on its last text). As in MSARL v4, a request's samples are a
+sibling group (`Turn.group`, with `sibling_groups` and `coder_samples` > 1): their advantages compare them
+with each other, while the reasoner's group is `algorithm.group_key`'s, over the task's episodes.
 
 Malformed output (counted, `workflow/reasoner_tools/malformed/<case>`; the call goes on):
 - `no_answer`: a reasoner turn with neither a request nor an answer (or no answer after the cap): graded;
@@ -66,7 +66,12 @@ class ReasonerTools:
     roles = ("reasoner", "coder")
 
     def __init__(
-        self, task: Task, max_tool_requests: int = 3, coder_samples: int = 1, role_rewards: bool = True
+        self,
+        task: Task,
+        max_tool_requests: int = 3,
+        coder_samples: int = 1,
+        role_rewards: bool = True,
+        sibling_groups: bool = True,
     ) -> None:
         if max_tool_requests < 0:
             raise ValueError(
@@ -76,6 +81,7 @@ class ReasonerTools:
             raise ValueError(f"reasoner_tools: coder_samples={coder_samples}; allowed: an integer >= 1")
         self.task, self.max_tool_requests = task, max_tool_requests
         self.coder_samples, self.role_rewards = coder_samples, role_rewards
+        self.sibling_groups = sibling_groups and coder_samples > 1  # a group of one has no signal
 
     async def run(self, ctx: Context, example: Example) -> Episode:
         if ctx.tool != "python":
@@ -131,7 +137,10 @@ class ReasonerTools:
         ]
         samples = await asyncio.gather(*[ctx.generate("coder", prompt) for _ in range(self.coder_samples)])
         ran = [bool(t.tool_calls) and not t.tool_calls[-1].error for t in samples]
+        request_index = len(coders) // self.coder_samples
         for t, ok in zip(samples, ran, strict=True):
+            if self.sibling_groups:
+                t.group = f"request{request_index}"
             coders.append((t, ok))
             if not t.tool_calls:
                 ctx.malformed("no_code")

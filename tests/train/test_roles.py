@@ -17,6 +17,7 @@ from rolerl.diagnostics import role_gradients
 from rolerl.models.lora import adapter_specs
 from rolerl.roles import ANSWER, REASONING, shift
 from rolerl.train.credit import advantages_of, turn_rewards
+from rolerl.train.monitor import episode_metrics
 from rolerl.train.optim import model_optimizer
 from rolerl.train.policy import select_rows, token_logprobs
 from rolerl.train.update import Aligned, LossSettings, Part, Schedule, accumulate_gradients, ppo_update
@@ -243,6 +244,31 @@ def test_credit_rules_outcome_role_mix():
     assert got["outcome"] == [1.0, 1.0, 1.0]
     assert got["role"] == [0.2, 0.7, 1.0]  # the call's own, else the role's, else the outcome
     assert got["mix"] == [0.5 + 0.2, 0.5 + 0.7, 0.5 + 0.0]  # alpha x team + local (0 if none)
+
+
+def test_role_reward_mean_logs_each_calls_own_reward():
+    eps = [episode("t", [("voter", 0.2), ("voter", None), ("aggregator", None)], 1.0, {"voter": 0.7}),
+           episode("t", [("voter", None)], 0.0)]  # fmt: skip
+
+    class P:
+        route_of = {"voter": {}, "aggregator": {}}
+
+    metrics = episode_metrics(eps, P())
+    assert metrics["role/voter/reward_mean"] == pytest.approx((0.2 + 0.7 + 0.0) / 3)
+    assert metrics["role/aggregator/reward_mean"] == 1.0 and metrics["role/voter/turns"] == 3
+
+
+def test_sibling_calls_form_their_own_group_and_leave_the_role_instance_count():
+    ep = episode("t", [("coder", 1.0), ("coder", 0.0), ("coder", 0.5), ("reasoner", None)], 1.0)
+    for t in ep.turns[:2]:
+        t.group = "request0"
+    credit = turn_rewards([ep, episode("t", [("coder", 0.0), ("reasoner", None)], 0.0)],
+                          AlgorithmConfig(reward="role", group_key="role_instance"))  # fmt: skip
+    assert credit.keys == [("t", 0, "coder", "request0")] * 2 + [("t", "coder", 0), ("t", "reasoner", 0)] + [
+        ("t", "coder", 0), ("t", "reasoner", 0)]  # fmt: skip
+    assert credit.units == [(0, 1), (0, 2), 0, 0, 1, 1]
+    adv = advantages_of(AlgorithmConfig(advantage="dr_grpo"), credit)
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.25, 0.5, -0.25, -0.5])
 
 
 def test_an_episode_with_several_calls_counts_once_in_its_group():

@@ -134,20 +134,42 @@ def test_nested_coder_samples_are_parallel_siblings_with_role_rewards(tokenizer)
     for rule, rewards in want.items():
         credit = turn_rewards([episode, wrong], AlgorithmConfig(reward=rule, mix_alpha=0.5))
         assert credit.rewards.tolist() == pytest.approx(rewards), rule
-    # No group key holds exactly one request's siblings: role_instance splits them (sibling j of request r
-    # across episodes), role holds every coder call of the task's episodes, each episode counted once
-    keys = turn_rewards([episode], AlgorithmConfig(group_key="role_instance")).keys
-    assert keys[1:4] == [("arith/0", "coder", k) for k in range(3)]
+    # A request's siblings are an advantage group of their own (Turn.group), each call counted once
+    assert [t.group for t in episode.turns] == [None, "request0", "request0", "request0", None]
     alg = AlgorithmConfig(group_key="role")
     credit = turn_rewards([episode, wrong], alg)
+    assert credit.keys[1:4] == [("arith/0", 0, "coder", "request0")] * 3
+    assert credit.keys[6:9] == [("arith/0", 1, "coder", "request0")] * 3
+    got = advantages_of(alg, credit)
+    # siblings (0, 1, 0): mean 1/3, unbiased std sqrt(1/3); (0, 0.2, 0): the same scaled by 0.2
+    s = 3**-0.5
+    assert got[[1, 2, 3]].tolist() == pytest.approx(
+        [-1 / 3 / (s + 1e-6), 2 / 3 / (s + 1e-6), -1 / 3 / (s + 1e-6)]
+    )
+    t = 0.2 * s
+    assert got[[6, 7, 8]].tolist() == pytest.approx(
+        [-0.2 / 3 / (t + 1e-6), 0.4 / 3 / (t + 1e-6), -0.2 / 3 / (t + 1e-6)]
+    )
+    a = 0.5 / (0.5**0.5 + 1e-6)  # the reasoner: outcomes 1 and 0, mean 0.5, std sqrt(0.5)
+    assert got[[0, 4, 5, 9]].tolist() == pytest.approx([a, a, -a, -a])
+    # Without sibling groups the coder calls are in group_key's group: role holds every coder call of the
+    # task's episodes, each episode counted once
+    flat, _, _ = run(
+        asks_then(), lambda k: samples[k], tokenizer=tokenizer, coder_samples=3, sibling_groups=False
+    )
+    flat_wrong, _, _ = run(asks_then("<answer>390</answer>"), lambda k: samples[k], tokenizer=tokenizer,
+                           seed=1, coder_samples=3, sibling_groups=False)  # fmt: skip
+    assert all(t.group is None for t in flat.turns)
+    credit = turn_rewards([flat, flat_wrong], alg)
     assert set(credit.keys[1:4] + credit.keys[6:9]) == {("arith/0", "coder")}
     # coder units: episode means 1/3 and 0.2/3 -> mean 0.2, std (1/3 - 1/15)/sqrt(2)
     std = (1 / 3 - 1 / 15) / 2**0.5
     coder = [(r - 0.2) / (std + 1e-6) for r in (0, 1, 0, 0, 0.2, 0)]
     got = advantages_of(alg, credit)
     assert got[[1, 2, 3, 6, 7, 8]].tolist() == pytest.approx(coder)
-    a = 0.5 / (0.5**0.5 + 1e-6)  # the reasoner: outcomes 1 and 0, mean 0.5, std sqrt(0.5)
     assert got[[0, 4, 5, 9]].tolist() == pytest.approx([a, a, -a, -a])
+    one, _, _ = run(asks_then(), lambda k: samples[k], tokenizer=tokenizer, coder_samples=1)
+    assert all(t.group is None for t in one.turns), "one sample per request: no sibling group (no signal)"
 
 
 def test_malformed_cases(tokenizer):
