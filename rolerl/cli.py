@@ -21,6 +21,7 @@ EPILOG = """examples:
   rolerl train --resume runs/smoke             continue a run from its newest checkpoint
   rolerl sft configs/smoke.yaml --set sft.data=demos.jsonl run.dir=runs/sft
   rolerl eval --task arithmetic --model tiny:llama --limit 8 --out runs/eval
+  rolerl collect --task gsm8k --workflow tir --n 8 --out demos.jsonl    correct rollouts as SFT data
 """
 
 
@@ -386,7 +387,8 @@ def _configure_sft(p: argparse.ArgumentParser) -> None:
 
 
 def _run_sft(args: argparse.Namespace) -> int:
-    """Imitation warm-start of the adapters on role-labelled demonstrations (JSONL of chat messages);
+    """Imitation warm-start of the adapters on role-labelled demonstrations (JSONL of chat messages, or the
+    token rows `rolerl collect` writes);
     writes run.dir/adapters/<name> as PEFT directories, to start RL from with adapters.init."""
     from rolerl.config import load_config
     from rolerl.train.sft import sft
@@ -401,14 +403,15 @@ def _run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configure_eval(p: argparse.ArgumentParser) -> None:
+def _add_rollout_args(p: argparse.ArgumentParser, split: str, n: int, temperature: float) -> None:
+    """What `eval` and `collect` share: the task, the workflow, the policy and how it samples."""
     p.add_argument(
         "--task", required=True, help="a benchmark (gsm8k, math500, humaneval, hotpotqa ...) or built-in task"
     )
     p.add_argument(
         "--data", default=None, help="the benchmark's file or directory, or a Hugging Face dataset id"
     )
-    p.add_argument("--split", default="test", help="(default: %(default)s)")
+    p.add_argument("--split", default=split, help="(default: %(default)s)")
     p.add_argument(
         "--workflow", default="single_turn", help="single_turn, tir, search_agent, ... or pkg.module:Class"
     )
@@ -427,8 +430,8 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
         metavar="RUN_DIR",
         help="a training run: its config and newest checkpoint",
     )
-    p.add_argument("--n", type=int, default=1, help="samples per example (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--n", type=int, default=n, help="samples per example (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=512, help="(default: %(default)s)")
     p.add_argument("--tool", default=None, help="python, search or none (default: the workflow's)")
@@ -437,13 +440,30 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--search-url", default=None, help="--tool search: a Search-R1-style /retrieve URL instead"
     )
-    p.add_argument(
-        "--limit", type=int, default=None, help="evaluate this many examples (default: the whole split)"
-    )
+    p.add_argument("--limit", type=int, default=None, help="this many examples (default: the whole split)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch", type=int, default=32, help="rows decoded at once (default: %(default)s)")
+
+
+def _rollout_spec(args: argparse.Namespace, out: str | None, resume: bool):
+    from rolerl.eval.harness import EvalSpec
+
+    tool = None if args.tool is None else ("" if args.tool == "none" else args.tool)
+    return EvalSpec(
+        task=args.task, data=args.data, split=args.split, workflow=args.workflow, model=args.model,
+        dtype=args.dtype, adapters=args.adapters, run=args.run_dir, preset=args.preset, n=args.n,
+        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, tool=tool or None,
+        max_tool_calls=args.max_tool_calls, limit=args.limit, seed=args.seed, out=out, resume=resume,
+        max_batch=args.max_batch,
+        tool_options={k: v for k, v in {"corpus": args.corpus, "url": args.search_url}.items() if v},
+        workflow_options=_options(args.workflow_options),
+    )  # fmt: skip
+
+
+def _configure_eval(p: argparse.ArgumentParser) -> None:
+    _add_rollout_args(p, split="test", n=1, temperature=0.0)
     p.add_argument("--out", default=None, metavar="DIR", help="write results.json and samples.jsonl here")
     p.add_argument("--resume", action="store_true", help="skip the samples already in OUT/samples.jsonl")
-    p.add_argument("--max-batch", type=int, default=32, help="rows decoded at once (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
 
 
@@ -463,21 +483,39 @@ def _options(items: list[str]) -> dict:
 def _run_eval(args: argparse.Namespace) -> int:
     """Evaluate a model (and adapters) on a task through a workflow: pass@1 (mean@n), pass@k, maj@k, the
     task's scores (EM/F1...), tool and length statistics; every sample into OUT/samples.jsonl."""
-    from rolerl.eval.harness import EvalSpec, run_eval
+    from rolerl.eval.harness import run_eval
 
-    tool = None if args.tool is None else ("" if args.tool == "none" else args.tool)
-    spec = EvalSpec(
-        task=args.task, data=args.data, split=args.split, workflow=args.workflow, model=args.model,
-        dtype=args.dtype, adapters=args.adapters, run=args.run_dir, preset=args.preset, n=args.n,
-        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, tool=tool or None,
-        max_tool_calls=args.max_tool_calls, limit=args.limit, seed=args.seed, out=args.out, resume=args.resume,
-        max_batch=args.max_batch,
-        tool_options={k: v for k, v in {"corpus": args.corpus, "url": args.search_url}.items() if v},
-        workflow_options=_options(args.workflow_options),
-    )  # fmt: skip
-    results = run_eval(spec)
+    results = run_eval(_rollout_spec(args, args.out, args.resume))
     if args.json:
         print(json.dumps(results))
+    return 0
+
+
+def _configure_collect(p: argparse.ArgumentParser) -> None:
+    _add_rollout_args(p, split="train", n=4, temperature=1.0)
+    p.add_argument(
+        "--out", required=True, metavar="FILE", help="the demonstrations JSONL (rolerl sft --data FILE)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue FILE: skip the examples in FILE.done")
+    p.add_argument("--keep", default="correct", choices=["correct", "all"],
+                   help="episodes kept: correct = the outcome is correct (default: %(default)s)")  # fmt: skip
+    p.add_argument("--roles", default="", metavar="R1,R2", help="keep only these roles' calls (default: all)")
+    p.add_argument("--min-reward", type=float, default=None, metavar="X",
+                   help="keep a call only if its own reward (Turn.reward, else its role's, else the "
+                        "outcome) is at least X, e.g. 1.0 for coder samples that ran in solved episodes")  # fmt: skip
+    p.add_argument("--max-per-example", type=int, default=None, metavar="K",
+                   help="keep at most K episodes per example (default: every kept one)")  # fmt: skip
+
+
+def _run_collect(args: argparse.Namespace) -> int:
+    """Role-labelled demonstrations by rejection sampling: run a workflow N times per example (train split)
+    and write the calls of the episodes kept (correct ones by default) as token ids for `rolerl sft`,
+    e.g. to warm-start a tool agent on its successful calls before RL (MSARL)."""
+    from rolerl.train.collect import Keep, collect
+
+    keep = Keep(episodes=args.keep, roles=tuple(r for r in args.roles.split(",") if r),
+                min_reward=args.min_reward, max_per_example=args.max_per_example)  # fmt: skip
+    print(json.dumps(collect(_rollout_spec(args, None, False), args.out, keep, resume=args.resume)))
     return 0
 
 
@@ -531,6 +569,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         "evaluate a model and adapters on a benchmark (pass@k, maj@k, EM/F1)",
         _configure_eval,
         _run_eval,
+    ),
+    "collect": (
+        "demonstrations from a workflow's correct rollouts (rejection sampling), for sft",
+        _configure_collect,
+        _run_collect,
     ),
 }
 

@@ -108,6 +108,10 @@ class Episode:
     role_rewards: dict[str, float] = field(default_factory=dict)  # per-role rewards, when a workflow has them
     metadata: dict[str, Any] = field(default_factory=dict)  # tool errors, truncation, the answer text...
 
+    def own_reward(self, turn: Turn) -> float:
+        """A call's own reward: its `Turn.reward`, else its role's, else the episode's outcome."""
+        return turn.reward if turn.reward is not None else self.role_rewards.get(turn.role, self.reward)
+
 
 @dataclass
 class Group:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,15 +94,13 @@ class Sample:
 
 def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[str, Any]:
     """Evaluate; returns the results dict (also written to `spec.out/results.json` when `out` is set)."""
-    from rolerl.eval.evaluate import evaluate
     from rolerl.progress import ProgressBar
     from rolerl.tasks import load_task
-    from rolerl.tools import build_tools
     from rolerl.workflows import load_workflow
 
     task = load_task(spec.task, spec.data)
     workflow = load_workflow(spec.workflow, task, spec.workflow_options)
-    examples = _examples(task, spec)
+    examples = spec_examples(task, spec)
     out = Path(spec.out) if spec.out else None
     done = _read_samples(out / "samples.jsonl") if out and spec.resume else {}
     if out is not None:
@@ -111,45 +109,21 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
                 f"{out}/samples.jsonl exists: continue it with --resume, or choose another --out"
             )
         out.mkdir(parents=True, exist_ok=True)
-    policy, cfg, identity = _policy(spec, workflow.roles)
-    tool = (
-        spec.tool if spec.tool is not None else {"tir": "python", "search_agent": "search"}.get(spec.workflow)
-    )
-    from rolerl.rollout.engine import Engine
-    from rolerl.train.rl import role_calls
-
-    options = {tool: spec.tool_options} if tool and spec.tool_options else {}
-    engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch,
-                            tools=build_tools([tool] if tool else [], **options))
-               for name, m in policy.members.items()}  # fmt: skip
+    policy, cfg, identity = spec_policy(spec, workflow.roles)
     todo = [i for i, ex in enumerate(examples) if any((ex.id, j) not in done for j in range(spec.n))]
     t0 = time.perf_counter()
-    try:
-        with ProgressBar("eval", len(examples) * spec.n, completed=len(done), enabled=spec.progress) as bar:
-            for start in range(0, len(todo), spec.chunk):
-                chunk = todo[start : start + spec.chunk]
-                result = evaluate(
-                    engines, policy.route_of, workflow, [examples[i] for i in chunk],
-                    samples=spec.n, greedy=spec.temperature == 0, temperature=spec.temperature or 1.0,
-                    top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, tool=tool,
-                    max_tool_calls=spec.max_tool_calls, seed=spec.seed, roles=role_calls(cfg, policy), ids=chunk,
-                    on_episode=lambda k, _: bar.update(len(done) + k),
-                )  # fmt: skip
-                fresh = [
-                    _sample(task, ex, j, ep, policy)
-                    for ex, eps in zip(result.examples, result.episodes, strict=True)
-                    for j, ep in enumerate(eps)
-                    if (ex.id, j) not in done
-                ]
-                for s in fresh:
-                    done[(s.id, s.sample)] = s
-                if out is not None:
-                    _append(out / "samples.jsonl", fresh)
-    finally:
-        for engine in engines.values():
-            engine.close()
-            for t in engine.tools.values():
-                getattr(t, "close", lambda: None)()
+    with ProgressBar("eval", len(examples) * spec.n, completed=len(done), enabled=spec.progress) as bar:
+        for chunk, episodes in rollouts(spec, workflow, policy, cfg, examples, todo, bar, len(done)):
+            fresh = [
+                _sample(task, ex, j, ep, policy)
+                for ex, eps in zip(chunk, episodes, strict=True)
+                for j, ep in enumerate(eps)
+                if (ex.id, j) not in done
+            ]
+            for s in fresh:
+                done[(s.id, s.sample)] = s
+            if out is not None:
+                _append(out / "samples.jsonl", fresh)
     samples = [done[(ex.id, j)] for ex in examples for j in range(spec.n)]
     results = {
         "spec": dataclasses.asdict(spec),
@@ -163,6 +137,48 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
         tmp.replace(out / "results.json")
     log_line(table(results["metrics"], spec))
     return results
+
+
+def rollouts(
+    spec: EvalSpec,
+    workflow,
+    policy,
+    cfg,
+    examples: Sequence[Example],
+    todo: Sequence[int],
+    bar,
+    completed: int = 0,
+) -> Iterator[tuple[list[Example], list[list[Episode]]]]:
+    """`spec.n` episodes of each example `todo` names (indices into `examples`), `spec.chunk` examples at a
+    time through engines built for `policy`'s models: yields each chunk's examples and their episodes.
+    Sampling seeds depend on the example's index, so a chunk samples the same tokens whatever ran before."""
+    from rolerl.eval.evaluate import evaluate
+    from rolerl.rollout.engine import Engine
+    from rolerl.tools import build_tools
+    from rolerl.train.rl import role_calls
+
+    tool = spec.tool if spec.tool is not None else getattr(workflow, "tool", None)
+    options = {tool: spec.tool_options} if tool and spec.tool_options else {}
+    engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch,
+                            tools=build_tools([tool] if tool else [], **options))
+               for name, m in policy.members.items()}  # fmt: skip
+    try:
+        for start in range(0, len(todo), spec.chunk):
+            chunk = todo[start : start + spec.chunk]
+            result = evaluate(
+                engines, policy.route_of, workflow, [examples[i] for i in chunk],
+                samples=spec.n, greedy=spec.temperature == 0, temperature=spec.temperature or 1.0,
+                top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, tool=tool,
+                max_tool_calls=spec.max_tool_calls, seed=spec.seed, roles=role_calls(cfg, policy), ids=chunk,
+                on_episode=lambda k, _, at=completed: bar.update(at + k),
+            )  # fmt: skip
+            completed += len(chunk) * spec.n
+            yield result.examples, result.episodes
+    finally:
+        for engine in engines.values():
+            engine.close()
+            for t in engine.tools.values():
+                getattr(t, "close", lambda: None)()
 
 
 def held_out(
@@ -245,7 +261,8 @@ def _ks(n: int) -> list[int]:
     return sorted({*ks, n})
 
 
-def _examples(task: Task, spec: EvalSpec) -> list[Example]:
+def spec_examples(task: Task, spec: EvalSpec) -> list[Example]:
+    """The examples `spec` runs: the first `limit` of its split (all of it without one), ids unique."""
     size = getattr(task, "size", None)
     total = size(spec.split) if callable(size) else None
     if spec.limit is None and total is None:
@@ -260,7 +277,7 @@ def _examples(task: Task, spec: EvalSpec) -> list[Example]:
     return examples
 
 
-def _policy(spec: EvalSpec, roles: Sequence[str]):
+def spec_policy(spec: EvalSpec, roles: Sequence[str]):
     """The policy to evaluate, its config, and what identifies it (model, adapters, checkpoint)."""
     from rolerl.config import load_config
     from rolerl.train.checkpoint import checkpoints

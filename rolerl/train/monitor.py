@@ -100,7 +100,7 @@ def episode_metrics(episodes: Sequence[Episode], policy: Any, workflow: str = "w
     for role in policy.route_of:
         mine = [t for t in turns if t.role == role]
         out[f"role/{role}/turns"] = float(len(mine))
-        rewards_of = [_own_reward(e, t) for e in episodes for t in e.turns if t.role == role]
+        rewards_of = [e.own_reward(t) for e in episodes for t in e.turns if t.role == role]
         if rewards_of:
             out[f"role/{role}/reward_mean"] = sum(rewards_of) / len(rewards_of)
         out[f"role/{role}/tokens"] = float(sum(k in POLICY_KINDS for t in mine for k in t.kinds))
@@ -117,13 +117,6 @@ def episode_metrics(episodes: Sequence[Episode], policy: Any, workflow: str = "w
         if kind != PROMPT:
             out[f"kind/{kind}/tokens"] = float(kinds[kind])
     return out
-
-
-def _own_reward(episode: Episode, turn) -> float:
-    """A call's own reward: its `Turn.reward`, else its role's, else the episode's outcome."""
-    if turn.reward is not None:
-        return turn.reward
-    return episode.role_rewards.get(turn.role, episode.reward)
 
 
 def _correct(episode: Episode) -> bool:

@@ -1,7 +1,9 @@
 """Imitation warm-start: supervised training of the topology's adapters on role-labelled demonstrations.
 
 Data: JSONL, one conversation per line, `{"role": "<workflow role>", "messages": [chat messages]}` (role
-defaults to "policy"). Each assistant message is one model call, written the way a rollout writes it:
+defaults to "policy"), or one model call per line as token ids (`rolerl collect` writes these:
+`{"role", "prompt_ids", "completion_ids", "kinds", "vocab"}`, trained as they are). Each assistant message
+of a conversation is one model call, written the way a rollout writes it:
 reasoning, tool calls in the tool tags, tool output in the engine's format (`format_tool_output`), the
 answer. It is cut with `split_segments` and tokenised segment by segment with `splice_tokenize` (the
 engine's own tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce
@@ -29,6 +31,7 @@ from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.roles import (
     ANSWER,
+    KINDS,
     PROMPT,
     REASONING,
     TOOL_CALL,
@@ -57,14 +60,43 @@ def read_demonstrations(path: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:  # its "line 1" is the line within this row: give the file's
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if isinstance(row, dict) and "prompt_ids" in row:
+            rows.append(_token_row(row, f"{path}:{n}"))
+            continue
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise ValueError(f"{path}:{n}: expected {{'role': ..., 'messages': [...]}}; got {line[:80]!r}")
+            raise ValueError(
+                f"{path}:{n}: expected {{'role': ..., 'messages': [...]}} or a token row {{'role': ..., "
+                f"'prompt_ids': [...], 'completion_ids': [...], 'kinds': [...]}}; got {line[:80]!r}"
+            )
         if not isinstance(row.get("role", "policy"), str):
             raise ValueError(f"{path}:{n}: role must be a string (a workflow role); got {row['role']!r:.80}")
         for i, message in enumerate(row["messages"]):
             _check_message(message, f"{path}:{n}: messages[{i}]")
         rows.append({"role": row.get("role", "policy"), "messages": row["messages"]})
     return rows
+
+
+def _token_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """A `rolerl collect` row, checked: ids are integers >= 0, one known kind per completion id."""
+    for field in ("prompt_ids", "completion_ids", "kinds"):
+        if not isinstance(row.get(field), list):
+            raise ValueError(f"{where}: {field} must be a list; got {row.get(field)!r:.60}")
+    for field in ("prompt_ids", "completion_ids"):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in row[field]):
+            raise ValueError(f"{where}: {field} must hold token ids (integers >= 0)")
+    if len(row["kinds"]) != len(row["completion_ids"]):
+        raise ValueError(
+            f"{where}: {len(row['kinds'])} kinds for {len(row['completion_ids'])} completion ids (one each)"
+        )
+    bad = sorted(set(row["kinds"]) - set(KINDS) | ({PROMPT} & set(row["kinds"])))
+    if bad:
+        raise ValueError(
+            f"{where}: unknown completion kinds {bad}; allowed: {[k for k in KINDS if k != PROMPT]}"
+        )
+    if not isinstance(row.get("role", "policy"), str):
+        raise ValueError(f"{where}: role must be a string (a workflow role); got {row['role']!r:.80}")
+    return {"role": row.get("role", "policy"), "where": where, "vocab": row.get("vocab"),
+            **{f: row[f] for f in ("prompt_ids", "completion_ids", "kinds")}}  # fmt: skip
 
 
 def _check_message(message: Any, where: str) -> None:
@@ -93,6 +125,8 @@ def demonstration_turns(
     role = conversation["role"]
     if role not in route_of:
         raise ValueError(f"demonstration role {role!r} is not in the topology; roles: {sorted(route_of)}")
+    if "prompt_ids" in conversation:
+        return [_token_turn(tokenizer, conversation, route_of[role], max_len)]
     messages = list(conversation["messages"])
     turns = []
     for i, message in enumerate(messages):
@@ -107,14 +141,34 @@ def demonstration_turns(
         if tokenizer.eos_token_id is not None:  # the model ends its turn by sampling EOS
             ids.append(tokenizer.eos_token_id)
             kinds.append(_end_kind(segments, tags))
-        if max_len is not None and len(prompt) + len(ids) > max_len:
-            log.warning("demonstration cut from %d to %d tokens", len(prompt) + len(ids), max_len)
-            keep = max(max_len - len(prompt), 0)
-            ids, kinds = ids[:keep], kinds[:keep]
-        routes = shift([PROMPT] * len(prompt) + kinds, route_of[role])
-        logprobs = [0.0 if k != TOOL_OUTPUT else math.nan for k in kinds]
-        turns.append(Turn(role, prompt, ids, kinds, routes, logprobs, "eos"))
+        turns.append(_turn(role, prompt, ids, kinds, route_of[role], max_len, "eos"))
     return turns
+
+
+def _token_turn(tokenizer, row: Mapping[str, Any], route_of: Mapping[str, int], max_len: int | None) -> Turn:
+    """A token row as it is (a rollout's exact ids and kinds); its ids must fit the role's vocabulary."""
+    size = len(tokenizer)
+    if row.get("vocab") is not None and row["vocab"] != size:
+        raise ValueError(
+            f"{row['where']}: collected with a tokenizer of {row['vocab']} tokens; role {row['role']!r} runs "
+            f"on one of {size}: token rows only train the model family they were sampled from"
+        )
+    prompt, ids = list(row["prompt_ids"]), list(row["completion_ids"])
+    if max(prompt + ids, default=0) >= size:
+        raise ValueError(f"{row['where']}: token id {max(prompt + ids)} is outside the vocabulary ({size})")
+    return _turn(row["role"], prompt, ids, list(row["kinds"]), route_of, max_len, "stop")
+
+
+def _turn(role, prompt, ids, kinds, route_of, max_len, finish) -> Turn:
+    """The demonstration's `Turn` (cut to `max_len`), routed by `shift`; log-probs 0 (SFT has no old
+    policy), NaN on tool output as in rollouts."""
+    if max_len is not None and len(prompt) + len(ids) > max_len:
+        log.warning("demonstration cut from %d to %d tokens", len(prompt) + len(ids), max_len)
+        keep = max(max_len - len(prompt), 0)
+        ids, kinds = ids[:keep], kinds[:keep]
+    routes = shift([PROMPT] * len(prompt) + kinds, route_of)
+    logprobs = [0.0 if k != TOOL_OUTPUT else math.nan for k in kinds]
+    return Turn(role, prompt, ids, kinds, routes, logprobs, finish)
 
 
 def _end_kind(segments: Sequence[tuple[str, str]], tags: Tags) -> str:

@@ -54,6 +54,7 @@ class RoleCalls:
 @runtime_checkable
 class Workflow(Protocol):
     roles: tuple[str, ...]  # the roles it calls `ctx.generate` with (the topology is built for these)
+    # optional: `tool = "python"`, the engine tool it needs when none is configured (`rolerl eval`)
 
     async def run(self, ctx: Context, example: Example) -> Episode: ...
 

@@ -64,6 +64,7 @@ def next_action(text: str) -> tuple[str | None, str]:
 class ReasonerTools:
     name = "reasoner_tools"
     roles = ("reasoner", "coder")
+    tool = "python"  # the engine tool it needs (`rolerl eval` and `collect` default to it)
 
     def __init__(
         self,

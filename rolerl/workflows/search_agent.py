@@ -24,6 +24,7 @@ SEARCH_TAGS = Tags(
 class SearchAgent:
     name = "search_agent"
     roles = ("policy",)
+    tool = "search"  # the engine tool it needs (`rolerl eval` and `collect` default to it)
 
     def __init__(self, task: Task) -> None:
         self.task = task

@@ -26,6 +26,7 @@ from rolerl.workflows.base import Context
 class TIR:
     name = "tir"
     roles = ("policy",)
+    tool = "python"  # the engine tool it needs (`rolerl eval` and `collect` default to it)
 
     def __init__(self, task: Task) -> None:
         self.task = task
