@@ -287,17 +287,26 @@ def test_reasoner_tools_trains_on_the_tiny_model(tmp_path, monkeypatch, separate
     assert row["logp_mismatch/max_abs"] < 1e-3
 
 
+TOPOLOGIES = {
+    "shared": ["adapters.preset=shared"],
+    "isolated": ["adapters.preset=isolated"],
+    "dart": ["adapters.preset=dart"],
+    # MSARL's layout: the reasoner on the default model, the coder on a small model of its own
+    "separate": ["adapters.preset=separate", "models.coder=tiny:qwen3:bytes", "roles.coder.model=coder"],
+}
+
+
 @root
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["shared", "isolated"])
-def test_reasoner_tools_on_the_default_model(tmp_path, monkeypatch, preset):
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+def test_reasoner_tools_on_the_default_model(tmp_path, monkeypatch, topology):
     reasoner_always_asks(monkeypatch)  # the untrained 135M model does not follow the request protocol
     cfg = load_config(None, [
         "model.spec=default", "model.device=cpu", "train.bf16=false", f"run.dir={tmp_path}", "train.steps=2",
         "train.tasks_per_step=1", "rollout.n=2", "rollout.max_new_tokens=32", "task.name=arithmetic",
         "task.workflow=rolerl.workflows.reasoner_tools:ReasonerTools", "rollout.tool=python",
-        "task.workflow_options={max_tool_requests: 1, coder_samples: 2}", f"adapters.preset={preset}",
-        "adapters.rank=4", "run.progress=false", "run.tensorboard=false", "algorithm.group_key=role",
+        "task.workflow_options={max_tool_requests: 1, coder_samples: 2}", *TOPOLOGIES[topology],
+        "adapters.rank=4", "run.progress=false", "run.tensorboard=false", "algorithm.reward=role",
     ])  # fmt: skip
     train(cfg)
     rows = RunDir(tmp_path, tensorboard=False).read_metrics()
@@ -306,3 +315,6 @@ def test_reasoner_tools_on_the_default_model(tmp_path, monkeypatch, preset):
         assert row["role/reasoner/turns"] == 6.0 and row["role/coder/turns"] == 4.0
         assert row["workflow/reasoner_tools/malformed/tool_cap"] == 1.0
         assert row["logp_mismatch/max_abs"] < 1e-3
+        adapters = {k.split("/")[1] for k in row if k.startswith("adapter/") and k.endswith("/steps")}
+        want = {"dart": {"reason", "tool"}, "shared": {"policy"}}.get(topology, {"reasoner", "coder"})
+        assert adapters == want

@@ -1,6 +1,7 @@
 """The search agent through the real engine and a real BM25 search tool: a scripted trajectory's query
 tokens are `tool_call` (the tool adapter's under `dart`), the retrieved passages are spliced as
-`tool_output`, the answer is graded by EM; without the search tool the workflow says what to set."""
+`tool_output`, the answer is graded by EM; without the search tool the workflow says what to set; and
+training runs on HotpotQA with BM25 over the shared data (tiny model; slow: the default model)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import pytest
 import torch
 
+from rolerl.config import load_config
 from rolerl.models.lora import add_adapters
 from rolerl.models.topology import Topology
 from rolerl.roles import TOOL_OUTPUT, shift, splice_tokenize, split_segments
@@ -19,8 +21,11 @@ from rolerl.rollout.sampling import SamplingParams
 from rolerl.tasks.base import Example
 from rolerl.tasks.qa import QADataset, QATask
 from rolerl.tools.search import search_tool
+from rolerl.train.checkpoint import RunDir
+from rolerl.train.rl import train
 from rolerl.workflows import WORKFLOWS, Context, SearchAgent, derive_seed
 from rolerl.workflows.search_agent import SEARCH_TAGS
+from tests.train.test_rl import TINY
 
 PASSAGES = [
     {"id": "p0", "title": "Paris", "text": "Paris is the capital of France."},
@@ -82,3 +87,35 @@ def test_search_agent_needs_the_search_tool():
     ctx = Context(None, None, {"policy": {}}, SamplingParams(), derive_seed(0), tool="python")
     with pytest.raises(ValueError, match="rollout.tool=search"):
         asyncio.run(SearchAgent(QATask("qa", {"test": lambda: None})).run(ctx, Example("a", "q?", "x")))
+
+
+def search_run(shared_data, tmp_path, topology: str, model: list[str]) -> list[dict]:
+    """`train.steps=2` of the search agent on HotpotQA (IRCoT's 500 dev questions) with BM25 over their
+    contexts, from the shared data."""
+    corpus = shared_data / "qa" / "wiki_corpus" / "hotpotqa_ircot500_contexts_corpus.jsonl.gz"
+    cfg = load_config(None, [
+        *model, f"run.dir={tmp_path / 'run'}", "train.steps=2", "train.tasks_per_step=2", "rollout.n=2",
+        "task.name=hotpotqa", f"task.data={shared_data}", "task.split=dev_ircot500", "task.workflow=search_agent",
+        "rollout.tool=search", f"rollout.tool_options={{corpus: {corpus}, cache_dir: {tmp_path / 'bm25'}}}",
+        f"adapters.preset={topology}", "adapters.rank=4", "run.progress=false", "run.tensorboard=false",
+    ])  # fmt: skip
+    train(cfg)
+    rows = RunDir(tmp_path / "run", tensorboard=False).read_metrics()
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["episodes"] == 4.0 and row["logp_mismatch/max_abs"] < 1e-3
+    return rows
+
+
+@pytest.mark.parametrize("topology", ["isolated", "dart"])
+def test_search_agent_trains_on_the_tiny_model(shared_data, tmp_path, topology):
+    search_run(shared_data, tmp_path, topology, [*TINY[:2], "train.bf16=false", "rollout.max_new_tokens=12"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["shared", "isolated", "dart"])
+def test_search_agent_on_the_default_model(shared_data, tmp_path, topology):
+    model = ["model.spec=default", "model.device=cpu", "train.bf16=false", "rollout.max_new_tokens=64"]
+    rows = search_run(shared_data, tmp_path, topology, model)
+    if topology == "dart":
+        assert all(r["adapter/reason/steps"] == 1.0 for r in rows)
