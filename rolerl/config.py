@@ -341,6 +341,10 @@ class RoleConfig(Section):
     max_new_tokens: int | None = None  # sampled tokens per call of this role
     top_p: float | None = None  # nucleus sampling for this role's calls
     max_tool_calls: int | None = None  # tool calls per call of this role
+    tool: Literal["none", "python", "search"] | None = (
+        None  # the tool its calls may call; null = rollout.tool
+    )
+    stop: list[str] | None = None  # stop strings added to the workflow's own for this role's calls
 
     def check(self) -> None:
         from rolerl.roles import POLICY_KINDS
@@ -361,6 +365,12 @@ class RoleConfig(Section):
         self.require(self.top_p is None or 0 < self.top_p <= 1, "top_p", "null or a number in (0, 1]")
         self.require(
             self.max_tool_calls is None or self.max_tool_calls >= 0, "max_tool_calls", "null or >= 0"
+        )
+        self.require(self.tool in (None, "none", "python", "search"), "tool", "null, none, python or search")
+        self.require(
+            self.stop is None or all(isinstance(x, str) and x for x in self.stop),
+            "stop",
+            "null or a list of non-empty strings",
         )
 
 

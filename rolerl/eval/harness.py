@@ -155,12 +155,12 @@ def rollouts(
     from rolerl.eval.evaluate import evaluate
     from rolerl.rollout.engine import Engine
     from rolerl.tools import build_tools
-    from rolerl.train.rl import role_calls
+    from rolerl.train.rl import role_calls, run_tools
 
     tool = spec.tool if spec.tool is not None else getattr(workflow, "tool", None)
     options = {tool: spec.tool_options} if tool and spec.tool_options else {}
     engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch,
-                            tools=build_tools([tool] if tool else [], **options))
+                            tools=build_tools(run_tools(cfg, tool), **options))
                for name, m in policy.members.items()}  # fmt: skip
     try:
         for start in range(0, len(todo), spec.chunk):

@@ -398,8 +398,16 @@ def role_calls(cfg: Config, policy: Policy) -> dict[str, RoleCalls]:
             max_new_tokens=rc.max_new_tokens if rc else None,
             top_p=rc.top_p if rc else None,
             max_tool_calls=rc.max_tool_calls if rc else None,
+            tool=rc.tool if rc else None,
+            stop=tuple(rc.stop or ()) if rc else (),
         )
     return out
+
+
+def run_tools(cfg: Config, default: str | None) -> list[str]:
+    """The engine tools a run's calls may call: `default` (the run's tool) and each role's own."""
+    names = [default, *(rc.tool for rc in cfg.roles.values())]
+    return list(dict.fromkeys(n for n in names if n and n != "none"))
 
 
 def seed_everything(seed: int) -> None:
@@ -425,16 +433,10 @@ def _engines(cfg: Config, policy: Policy) -> dict[str, Engine]:
     from rolerl.tools import build_tools
 
     out = {}
+    names = run_tools(cfg, cfg.rollout.tool)
+    options = {cfg.rollout.tool: dict(cfg.rollout.tool_options)} if cfg.rollout.tool in names else {}
     for name, member in policy.members.items():
-        tool = [] if cfg.rollout.tool == "none" else [cfg.rollout.tool]
-        tools = build_tools(
-            tool,
-            **(
-                {cfg.rollout.tool: dict(cfg.rollout.tool_options)}
-                if tool and cfg.rollout.tool_options
-                else {}
-            ),
-        )
+        tools = build_tools(names, **options)
         out[name] = Engine(
             member.model, member.tokenizer, max_batch=cfg.rollout.max_batch, max_len=cfg.rollout.max_len,
             tools=tools,

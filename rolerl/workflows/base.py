@@ -44,6 +44,8 @@ class RoleCalls:
     max_new_tokens: int | None = None
     top_p: float | None = None
     max_tool_calls: int | None = None
+    tool: str | None = None  # the engine tool its calls may call; None = the context's, "none" = no tool
+    stop: tuple[str, ...] = ()  # stop strings added to each call's own
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` fields this role overrides."""
@@ -97,13 +99,16 @@ class Context:
         ids = self.prompt_ids(messages_or_ids, role)
         seed = derive_seed(self.seed, len(self.turns))  # call k of this episode
         params = dataclasses.replace(self.sampling, **{"seed": seed, **calls.sampling(), **sampling})
+        if calls.stop:
+            params = dataclasses.replace(params, stop=tuple(dict.fromkeys((*params.stop, *calls.stop))))
+        tool = self.tool if calls.tool is None else (None if calls.tool == "none" else calls.tool)
         request = GenerationRequest(
             ids,
             params,
             role=role,
             route_of=self.route_of[role],
             tags=tags or self.tags,
-            tool=self.tool,
+            tool=tool,
             max_tool_calls=self.max_tool_calls if calls.max_tool_calls is None else calls.max_tool_calls,
             model=calls.model,
         )

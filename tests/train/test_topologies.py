@@ -4,17 +4,23 @@ that do not fit the topology refused by name."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from rolerl.config import ConfigError, load_config
 from rolerl.models.lora import adapter_specs
 from rolerl.models.topology import Topology
+from rolerl.roles import KINDS
+from rolerl.rollout.sampling import SamplingParams
 from rolerl.train.checkpoint import RunDir, checkpoints
 from rolerl.train.optim import OptimizerStateError
 from rolerl.train.policy import build_policy
-from rolerl.train.rl import train
+from rolerl.train.rl import run_tools, train
+from rolerl.workflows.base import Context, RoleCalls
 from tests.train.test_rl import SolverJudge, strip_time, tiny_config
+from tests.workflows.scripted import ScriptedBackend
 from tests.workflows.test_single_turn import EchoTask
 
 SEPARATE = (
@@ -186,3 +192,29 @@ def test_per_role_call_settings_apply_to_that_roles_calls_only(tmp_path):
     # 8 episodes x 2 judge calls: the role's limit (3) on the first, the call's own (4) on the second
     assert row["role/judge/tokens"] <= 8 * (3 + 4) < 8 * (12 + 4)
     assert row["logp_mismatch/max_abs"] < 1e-3, "top_p changes sampling, never the trainer's log-probs"
+
+
+def test_per_role_tool_and_stop_strings_reach_that_roles_requests(tokenizer):
+    backend = ScriptedBackend(tokenizer, lambda request, prompt: "ok")
+    roles = {"planner": RoleCalls(tool="none", stop=("DONE",)), "coder": RoleCalls(tool="search")}
+    route_of = {role: dict.fromkeys(KINDS, 0) for role in ("planner", "coder", "other")}
+    ctx = Context(backend, tokenizer, route_of, SamplingParams(stop=("</x>",)), 0, tool="python", roles=roles)
+    ask = [{"role": "user", "content": "hi"}]
+
+    async def episode():
+        await ctx.generate("planner", ask, stop=("</answer>",))
+        await ctx.generate("coder", ask)
+        await ctx.generate("other", ask)
+
+    asyncio.run(episode())
+    requests = [c.request for c in backend.calls]
+    assert [r.tool for r in requests] == [None, "search", "python"]  # "none": this role calls no tool
+    assert [r.sampling.stop for r in requests] == [("</answer>", "DONE"), ("</x>",), ("</x>",)]
+    cfg = load_config(None, ["rollout.tool=python", "roles.coder.tool=search", "roles.planner.tool=none",
+                             "roles.planner.stop=[DONE]"])  # fmt: skip
+    assert run_tools(cfg, cfg.rollout.tool) == ["python", "search"]
+    assert cfg.roles["planner"].stop == ["DONE"] and cfg.roles["planner"].tool == "none"
+    with pytest.raises(ConfigError, match=r"roles.coder.tool='bash'; allowed"):
+        load_config(None, ["roles.coder.tool=bash"])
+    with pytest.raises(ConfigError, match=r"roles.coder.stop=\[''\]; allowed: null or a list of non-empty"):
+        load_config(None, ["roles.coder.stop=['']"])
