@@ -22,6 +22,7 @@ EPILOG = """examples:
   rolerl sft configs/smoke.yaml --set sft.data=demos.jsonl run.dir=runs/sft
   rolerl eval --task arithmetic --model tiny:llama --limit 8 --out runs/eval
   rolerl collect --task gsm8k --workflow tir --n 8 --out demos.jsonl    correct rollouts as SFT data
+  rolerl diagnose grad-conflict --task synthetic --workflow tir --run runs/demo/rl --limit 8 --out runs/gc
 """
 
 
@@ -430,7 +431,7 @@ def _add_rollout_args(p: argparse.ArgumentParser, split: str, n: int, temperatur
         metavar="RUN_DIR",
         help="a training run: its config and newest checkpoint",
     )
-    p.add_argument("--n", type=int, default=n, help="samples per example (default: %(default)s)")
+    p.add_argument("--n", "--samples", type=int, default=n, help="samples per example (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=512, help="(default: %(default)s)")
@@ -519,6 +520,41 @@ def _run_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_diagnose(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="diagnostic", metavar="DIAGNOSTIC", required=True)
+    g = sub.add_parser(
+        "grad-conflict",
+        help="angles between token kinds' (or roles') partial gradients, per module and layer",
+        description=_run_grad_conflict.__doc__,
+    )
+    _add_rollout_args(g, split="train", n=16, temperature=1.0)
+    g.add_argument("--out", required=True, metavar="DIR", help="CSVs, summary.json and angles.png")
+    g.add_argument("--params", default="adapters", help="adapters (every LoRA parameter), an adapter's name, "
+                   "or all (every weight: small models) (default: %(default)s)")  # fmt: skip
+    g.add_argument("--groups", default="kind", choices=["kind", "role"],
+                   help="partial gradients per token kind or per role (default: %(default)s)")  # fmt: skip
+    g.add_argument("--max-memory-gb", type=float, default=8.0,
+                   help="refuse a measurement whose gradients need more (default: %(default)s)")  # fmt: skip
+    g.set_defaults(run=_run_grad_conflict)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    """Interference diagnostics: `rolerl diagnose grad-conflict --help`."""
+    raise AssertionError("a diagnostic's own parser sets `run`")  # argparse: sub-parser defaults win
+
+
+def _run_grad_conflict(args: argparse.Namespace) -> int:
+    """DART's gradient-angle measurement: --samples trajectories per query, each trajectory's
+    partial gradient per token kind (the mean NLL of that kind's tokens, one backward each), and the angles
+    between the same kind across trajectories and between kinds within one, overall, per layer and per
+    module (with the share of modules in conflict)."""
+    from rolerl.diagnostics.measure import grad_conflict
+
+    spec = _rollout_spec(args, None, False)
+    grad_conflict(spec, args.out, params=args.params, group_by=args.groups, max_memory_gb=args.max_memory_gb)
+    return 0
+
+
 def _configure_serve_retriever(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "corpus", help="passages: JSONL of {id, title, text} or a JSON list of {title, text} (.gz too)"
@@ -569,6 +605,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         "evaluate a model and adapters on a benchmark (pass@k, maj@k, EM/F1)",
         _configure_eval,
         _run_eval,
+    ),
+    "diagnose": (
+        "interference diagnostics: gradient conflict between token kinds or roles",
+        _configure_diagnose,
+        _run_diagnose,
     ),
     "collect": (
         "demonstrations from a workflow's correct rollouts (rejection sampling), for sft",

@@ -403,6 +403,9 @@ class DiagnosticsConfig(Section):
     # every this many steps: each role's gradient norm on each adapter and the cosine between roles'
     # gradients on a shared adapter (one extra backward per role); 0 = off
     grad_every: int = 0
+    # what the gradients are split by: role (each role's calls) or kind (each policy kind's tokens:
+    # reasoning, tool call, answer); pairs also log the share of the adapter's modules in conflict
+    grad_groups: Literal["role", "kind"] = "role"
 
     def check(self) -> None:
         self.require(self.grad_every >= 0, "grad_every", "an integer >= 0 (0 = off)")

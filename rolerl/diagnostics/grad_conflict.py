@@ -1,58 +1,92 @@
-"""Per-role gradients on each adapter, and the cosine between roles' gradients on a shared adapter
-(`diagnostics.grad_every`; PAPERS: a role's share of a shared adapter's update is set by the averaging
-rule, and roles whose gradients point apart interfere).
+"""Per-role (or per-kind) gradients on each adapter during training, the cosine between two groups'
+gradients on a shared adapter and the share of its modules where they conflict (`diagnostics.grad_every`,
+`diagnostics.grad_groups`; PAPERS: a role's share of a shared adapter's update is set by the averaging
+rule, and roles, or reasoning and tool use, whose gradients point apart interfere).
 
-One backward per role over that role's rows, with the role's own normaliser (its loss as if it trained
-alone), at the weights the step's rollout used; the gradients are cleared afterwards, so the update that
-follows is unchanged (it costs one extra forward and backward over the batch).
+One backward per group over that group's tokens with the step's PPO loss and advantages, with the group's
+own normaliser (its loss as if it trained alone), at the weights the step's rollout used; the gradients are
+cleared afterwards, so the update that follows is unchanged (it costs one extra forward and backward per
+group). `rolerl diagnose grad-conflict` is the standalone, per-trajectory measurement (`conflict.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 
 from rolerl.algorithms import AggNorm
+from rolerl.diagnostics.conflict import ModuleGrads, cosine, module_of
+from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
 from rolerl.train.optim import Optimizer
 from rolerl.train.policy import select_rows
 from rolerl.train.update import Aligned, LossSettings, Part, accumulate_gradients
+from rolerl.types import TrainBatch
 
 
 def role_gradients(
-    parts: Sequence[Part], s: LossSettings, optimizer: Optimizer, micro_batch_size: int
+    parts: Sequence[Part],
+    s: LossSettings,
+    optimizer: Optimizer,
+    micro_batch_size: int,
+    groups: str = "role",
 ) -> dict[str, float]:
-    """`role/<r>/grad_norm/<adapter>` for every adapter role r reaches, and `grad/cos/<adapter>/<r1>__<r2>`
-    for every pair of roles that both reach an adapter."""
-    roles = list(dict.fromkeys(r for part in parts for r in part.batch.roles))
-    flat: dict[str, dict[str, torch.Tensor]] = {}  # role -> adapter -> flattened gradient
-    for role in roles:
+    """`<role|kind>/<g>/grad_norm/<adapter>` for every adapter group g reaches, and for every pair of groups
+    that both reach an adapter `grad/cos/<adapter>/<a>__<b>` (overall cosine) and
+    `grad/conflict_frac/<adapter>/<a>__<b>` (the share of the adapter's modules where it is negative).
+    `groups`: `role` (each role's rows) or `kind` (each policy kind's tokens, every row)."""
+    flat: dict[str, dict[str, ModuleGrads]] = {}  # group -> adapter -> module -> gradient
+    for group, subs in _groups(parts, groups):
         optimizer.zero_grad()
-        subs = [(part, select_rows(part.batch, [i for i, r in enumerate(part.batch.roles) if r == role]))
-                for part in parts if role in part.batch.roles]  # fmt: skip
         norm = AggNorm.of(*[sub.loss_mask for _, sub in subs], horizon=s.horizon)
         if norm.num_tokens == 0:
             continue
         for part, sub in subs:
             ps = dataclasses.replace(s, adapter_params=part.adapter_params)
             accumulate_gradients(part.model, sub, Aligned(sub.old_logp), ps, micro_batch_size, norm=norm)
-        flat[role] = {
-            g.name: torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
-                               for p in g.params.values()])
-            for g in optimizer.groups
-            if any(p.grad is not None for p in g.params.values())
-        }  # fmt: skip
+        flat[group] = {g.name: _by_module(g.params) for g in optimizer.groups
+                       if any(p.grad is not None for p in g.params.values())}  # fmt: skip
     optimizer.zero_grad()
     out: dict[str, float] = {}
-    for role, by_adapter in flat.items():
-        for adapter, g in by_adapter.items():
-            out[f"role/{role}/grad_norm/{adapter}"] = float(g.norm())
+    for group, by_adapter in flat.items():
+        for adapter, modules in by_adapter.items():
+            norm = math.sqrt(sum(float(g.double().norm()) ** 2 for g in modules.values()))
+            out[f"{groups}/{group}/grad_norm/{adapter}"] = norm
     for a, b in itertools.combinations(flat, 2):
         for adapter in flat[a].keys() & flat[b].keys():
-            ga, gb = flat[a][adapter], flat[b][adapter]
-            denom = float(ga.norm() * gb.norm())
-            if denom > 0:
-                out[f"grad/cos/{adapter}/{a}__{b}"] = float(ga @ gb) / denom
+            angle = cosine(flat[a][adapter], flat[b][adapter])
+            if angle is not None:
+                out[f"grad/cos/{adapter}/{a}__{b}"] = angle.cos
+                out[f"grad/conflict_frac/{adapter}/{a}__{b}"] = angle.conflict_frac
     return out
+
+
+def _groups(parts: Sequence[Part], groups: str) -> list[tuple[str, list[tuple[Part, TrainBatch]]]]:
+    """Each group's sub-batches: a role's rows, or every row with the loss mask narrowed to one kind."""
+    if groups == "role":
+        roles = list(dict.fromkeys(r for part in parts for r in part.batch.roles))
+        return [(role, [(part, select_rows(part.batch, [i for i, r in enumerate(part.batch.roles) if r == role]))
+                        for part in parts if role in part.batch.roles]) for role in roles]  # fmt: skip
+    out = []
+    for kind in (k for k in KINDS if k in POLICY_KINDS):
+        subs = []
+        for part in parts:
+            b = part.batch
+            mask = torch.zeros_like(b.loss_mask)
+            mask[:, :-1] = b.loss_mask[:, :-1] * (
+                b.kind_ids[:, 1:] == KIND_INDEX[kind]
+            )  # column p: token p+1
+            subs.append((part, dataclasses.replace(b, loss_mask=mask)))
+        out.append((kind, subs))
+    return out
+
+
+def _by_module(params: dict[str, torch.Tensor]) -> ModuleGrads:
+    by: dict[str, list[torch.Tensor]] = {}
+    for name, p in params.items():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        by.setdefault(module_of(name), []).append(g.detach().flatten().float())
+    return {m: torch.cat(v) for m, v in by.items()}

@@ -6,6 +6,18 @@ import json
 from pathlib import Path
 
 
+def save_png(fig, path: str | Path) -> Path:
+    """Write `fig` to `path` atomically (a temporary file, then a rename) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
 def plot_metrics(
     metrics_path: str | Path,
     out: str | Path,
@@ -34,8 +46,4 @@ def plot_metrics(
     ax.legend()
     ax.set_title(title)
     fig.tight_layout()
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return save_png(fig, out)

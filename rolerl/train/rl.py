@@ -269,7 +269,9 @@ def train_step(
         parts = collate_parts(policy, [turns[i] for i in keep], [float(advantages[i]) for i in keep])
         settings = loss_settings(cfg, policy)
         if cfg.diagnostics.grad_every and step % cfg.diagnostics.grad_every == 0:
-            metrics |= role_gradients(parts, settings, optimizer, cfg.train.micro_batch_size)
+            metrics |= role_gradients(
+                parts, settings, optimizer, cfg.train.micro_batch_size, cfg.diagnostics.grad_groups
+            )
         generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "shuffle", step))
         # The model stays in eval mode: RL wants no dropout (the rollout had none), and train mode makes HF
         # run p=0 dropout kernels over attention weights (measured ~30% slower fwd+bwd on CPU).

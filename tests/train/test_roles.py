@@ -4,6 +4,7 @@ per-role gradient diagnostics."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from rolerl.algorithms.weighting import role_share_weights
 from rolerl.config import AlgorithmConfig, ConfigError, load_config
 from rolerl.diagnostics import role_gradients
 from rolerl.models.lora import adapter_specs
-from rolerl.roles import ANSWER, REASONING, shift
+from rolerl.roles import ANSWER, KIND_INDEX, REASONING, TOOL_CALL, shift
 from rolerl.train.credit import advantages_of, turn_rewards
 from rolerl.train.monitor import episode_metrics
 from rolerl.train.optim import model_optimizer
@@ -24,7 +25,7 @@ from rolerl.train.update import Aligned, LossSettings, Part, Schedule, accumulat
 from rolerl.types import Episode, Turn, collate
 from tests.train.test_update import randomize_adapters
 
-KINDS = [REASONING, REASONING, REASONING, ANSWER]
+KINDS = [REASONING, REASONING, TOOL_CALL, ANSWER]
 
 
 def two_role_model(tokenizer, adapters: dict[str, str], dtype=torch.float64):
@@ -314,6 +315,39 @@ def test_role_gradients_report_norms_and_the_cosine_and_leave_no_gradient(tokeni
         assert out[f"role/{role}/grad_norm/policy"] == pytest.approx(float(grads[role].norm()), rel=1e-6)
     cos = float(grads["voter"] @ grads["aggregator"] / (grads["voter"].norm() * grads["aggregator"].norm()))
     assert out["grad/cos/policy/voter__aggregator"] == pytest.approx(cos, rel=1e-6, abs=1e-9)
+
+
+def test_kind_gradients_log_the_cosine_and_the_share_of_modules_in_conflict(tokenizer):
+    model, batch = voting_batch(tokenizer, {"voter": "policy", "aggregator": "policy"})
+    s = LossSettings(AlgorithmConfig(), 1.0, 16)
+    opt = model_optimizer(model)
+    out = role_gradients([Part.of(model, batch)], s, opt, micro_batch_size=8, groups="kind")
+    assert all(p.grad is None for p in opt.params)
+    grads = {}
+    for kind in ("reasoning", "tool_call", "answer"):
+        model.zero_grad(set_to_none=True)
+        mask = torch.zeros_like(batch.loss_mask)
+        mask[:, :-1] = batch.loss_mask[:, :-1] * (batch.kind_ids[:, 1:] == KIND_INDEX[kind])
+        sub = dataclasses.replace(batch, loss_mask=mask)
+        accumulate_gradients(model, sub, Aligned(sub.old_logp), s, micro_batch_size=8)
+        grads[kind] = {
+            n: p.grad.double().flatten().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+        flat = torch.cat(list(grads[kind].values()))
+        assert out[f"kind/{kind}/grad_norm/policy"] == pytest.approx(float(flat.norm()), rel=1e-6)
+    a, b = grads["reasoning"], grads["tool_call"]
+    cos = float(torch.cat(list(a.values())) @ torch.cat(list(b.values()))) / float(
+        torch.cat(list(a.values())).norm() * torch.cat(list(b.values())).norm())  # fmt: skip
+    assert out["grad/cos/policy/reasoning__tool_call"] == pytest.approx(cos, rel=1e-6, abs=1e-9)
+    modules = {}  # a module's lora_A and lora_B together
+    for n in a:
+        m = n.rsplit(".lora_", 1)[0]
+        modules.setdefault(m, [[], []])
+        modules[m][0].append(a[n])
+        modules[m][1].append(b[n])
+    signs = [float(torch.cat(x) @ torch.cat(y)) < 0 for x, y in modules.values()]
+    assert len(modules) == 7 * 2  # two layers of the tiny model, 7 linears each
+    assert out["grad/conflict_frac/policy/reasoning__tool_call"] == sum(signs) / len(signs)
 
 
 def test_role_share_mapping_must_cover_the_workflow_roles(tmp_path):
