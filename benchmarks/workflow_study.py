@@ -17,7 +17,8 @@ computations, both warm-started from the same TIR adapter, `isolated`) against s
     python benchmarks/workflow_study.py summarize runs/wstudy --plot docs/workflow_study.png
 
 `run` skips runs whose metrics show the last step, so it resumes after an interruption (a run cut short
-is started again). Held-out accuracy: greedy, the same 128 test problems (`rolerl eval`, seed 0), through
+is started again; delete its `.claim` file first). Several `run` processes can share the work (each claims
+a run or an evaluation before it starts it): on 2 cores, two processes at one thread each. Held-out accuracy: greedy, the same 128 test problems (`rolerl eval`, seed 0), through
 each arm's own workflow, before (the warm start) and after RL.
 """
 
@@ -25,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-STEPS, TASKS, SAMPLES, EVAL_LIMIT = 6, 4, 4, 128
+STEPS, TASKS, SAMPLES, EVAL_LIMIT = 6, 4, 4, 64
 COMMON = [
     "rollout.max_new_tokens=64", "rollout.max_tool_calls=2", "rollout.tool=python", f"rollout.n={SAMPLES}",
     f"train.steps={STEPS}", f"train.tasks_per_step={TASKS}", "train.mini_batches=1", "algorithm.beta=0.0",
@@ -88,9 +90,18 @@ def done(run_dir: Path) -> bool:
     return path.exists() and any(json.loads(x)["step"] == STEPS for x in path.read_text().splitlines())
 
 
+def claim(path: Path) -> bool:
+    """Take the job `path` names for this worker (`run` may run in several processes at once)."""
+    try:
+        os.close(os.open(path.with_name(path.name + ".claim"), os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
 def evaluate(out: Path, workflow: str, policy: list[str], target: Path) -> None:
     """Greedy held-out accuracy through `workflow` on the same `EVAL_LIMIT` test problems for every run."""
-    if (target / "results.json").exists():
+    if (target / "results.json").exists() or not claim(target):
         return
     shutil.rmtree(target, ignore_errors=True)
     options = {"voting": ["--option", "voters=3"], "reasoner_tools": ["--option", "max_tool_requests=2"]}
@@ -110,7 +121,7 @@ def run(out: Path, seeds: list[int]) -> None:
     for seed in seeds:
         for arm, (workflow, names, sets) in ARMS.items():
             target = out / f"{arm}-s{seed}"
-            if arm not in SEEDED and seed != seeds[0]:
+            if (arm not in SEEDED and seed != seeds[0]) or not (done(target) or claim(target)):
                 continue
             if not done(target):
                 shutil.rmtree(target, ignore_errors=True)

@@ -424,6 +424,10 @@ def _add_rollout_args(p: argparse.ArgumentParser, split: str, n: int, temperatur
     p.add_argument("--adapters", default=None, metavar="DIR", help="PEFT adapters to load, one directory per name "
                    "(e.g. RUN/checkpoints/step_N/adapters or an sft run's adapters/)")  # fmt: skip
     p.add_argument("--preset", default="shared", help="the topology of --adapters (default: %(default)s)")
+    p.add_argument("--table", default=None, metavar="YAML", type=_yaml_mapping,
+                   help="a routing table instead of --preset or the run's topology (adapters.table), e.g. "
+                        "'{policy: {tool_call: policy, default: null}}': tool calls on the adapter, the rest "
+                        "on the base model")  # fmt: skip
     p.add_argument(
         "--run",
         dest="run_dir",
@@ -446,13 +450,22 @@ def _add_rollout_args(p: argparse.ArgumentParser, split: str, n: int, temperatur
     p.add_argument("--max-batch", type=int, default=32, help="rows decoded at once (default: %(default)s)")
 
 
+def _yaml_mapping(text: str) -> dict:
+    import yaml
+
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping, e.g. '{{policy: reason}}'; got {text!r}")
+    return value
+
+
 def _rollout_spec(args: argparse.Namespace, out: str | None, resume: bool):
     from rolerl.eval.harness import EvalSpec
 
     tool = None if args.tool is None else ("" if args.tool == "none" else args.tool)
     return EvalSpec(
         task=args.task, data=args.data, split=args.split, workflow=args.workflow, model=args.model,
-        dtype=args.dtype, adapters=args.adapters, run=args.run_dir, preset=args.preset, n=args.n,
+        dtype=args.dtype, adapters=args.adapters, run=args.run_dir, preset=args.preset, table=args.table, n=args.n,
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, tool=tool or None,
         max_tool_calls=args.max_tool_calls, limit=args.limit, seed=args.seed, out=out, resume=resume,
         max_batch=args.max_batch,
@@ -536,6 +549,27 @@ def _configure_diagnose(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-memory-gb", type=float, default=8.0,
                    help="refuse a measurement whose gradients need more (default: %(default)s)")  # fmt: skip
     g.set_defaults(run=_run_grad_conflict)
+    i = sub.add_parser(
+        "interaction",
+        help="LEAS interaction coefficients of reasoning and tool use from trained variants",
+        description=_run_interaction.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_rollout_args(i, split="test", n=50, temperature=1.0)
+    for flag, what in [("--joint", "trained on every kind (adapters.preset shared)"),
+                       ("--reasoning-only", "trained on reasoning tokens only (masked, train_kinds [reasoning, answer])"),
+                       ("--tool-only", "trained on tool-call tokens only (masked, train_kinds [tool_call])")]:  # fmt: skip
+        i.add_argument(flag, required=True, metavar="RUN", help=f"a run {what}, or a dir of its eval samples")
+    i.add_argument("--base", default=None, metavar="RUN|MODEL|EVAL", help="the base variant (default: the "
+                   "joint run's base model without adapters)")  # fmt: skip
+    i.add_argument("--hybrids", action="store_true", help="also evaluate the two inference-time hybrids "
+                   "(one kind on a trained adapter, the rest on the base) and solve the full 6x6 system")  # fmt: skip
+    i.add_argument("--budget", type=int, default=None, metavar="EPISODES",
+                   help="cap the episodes per variant: questions = min(--limit, EPISODES // --samples)")  # fmt: skip
+    i.add_argument(
+        "--out", required=True, metavar="DIR", help="each variant's eval, interaction.csv/.png/.json"
+    )
+    i.set_defaults(run=_run_interaction)
 
 
 def _run_diagnose(args: argparse.Namespace) -> int:
@@ -552,6 +586,24 @@ def _run_grad_conflict(args: argparse.Namespace) -> int:
 
     spec = _rollout_spec(args, None, False)
     grad_conflict(spec, args.out, params=args.params, group_by=args.groups, max_memory_gb=args.max_memory_gb)
+    return 0
+
+
+def _run_interaction(args: argparse.Namespace) -> int:
+    """LEAS / CEA (the DART paper): per question, the success rate of each variant from --samples samples,
+    smoothed as (k + 0.5) / (n + 1) and taken to logits z; the interaction of reasoning and tool use is
+    l23 = z_joint - z_tool - z_reas + z_base (with --hybrids, the full 6x6 solve of z = X l as well).
+    l23 < 0: the two capabilities interfere when trained together; > 0: they help each other. Questions
+    no variant ever solves are dropped. Writes OUT/interaction.csv, .png and .json."""
+    from rolerl.diagnostics.measure import measure_interaction
+
+    if args.budget is not None:
+        if args.budget < args.n:
+            raise ValueError(f"--budget {args.budget} is below --samples {args.n}: not one question fits")
+        args.limit = min(args.limit or args.budget // args.n, args.budget // args.n)
+    spec = _rollout_spec(args, None, False)
+    measure_interaction(spec, args.out, joint=args.joint, reas=args.reasoning_only, tool=args.tool_only, base=args.base,
+                        hybrids=args.hybrids)  # fmt: skip
     return 0
 
 
@@ -607,7 +659,7 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         _run_eval,
     ),
     "diagnose": (
-        "interference diagnostics: gradient conflict between token kinds or roles",
+        "interference diagnostics: gradient conflict, interaction coefficients (LEAS)",
         _configure_diagnose,
         _run_diagnose,
     ),

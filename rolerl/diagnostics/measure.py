@@ -1,5 +1,7 @@
-"""`rolerl diagnose grad-conflict`: roll out `n` trajectories per query with a model (and adapters), take
-each trajectory's partial gradient per token kind (or role), and write the angles (`conflict.py`):
+"""The diagnostics that roll out: `rolerl diagnose grad-conflict` and `rolerl diagnose interaction`.
+
+`grad_conflict` rolls out `n` trajectories per query with a model (and adapters), takes each
+trajectory's partial gradient per token kind (or role), and writes the angles (`conflict.py`):
 
     OUT/pairs.csv     one row per pair: comparison (same | cross), a, b, query, i, j, cos, angle, conflict_frac
     OUT/layers.csv    mean cosine per layer for each comparison
@@ -8,6 +10,13 @@ each trajectory's partial gradient per token kind (or role), and write the angle
                       and what produced it (model, adapters, task, samples, parameters)
     OUT/angles.png    the angle distributions (same kind across trajectories vs kinds within one) and the
                       per-layer mean cosines
+
+`measure_interaction` evaluates the LEAS variants (`interaction.py`) with `n` samples per question and
+writes the per-question coefficients:
+
+    OUT/<variant>/          each variant's `rolerl eval` output (samples.jsonl: resumable)
+    OUT/interaction.csv     one row per kept question; OUT/interaction.png the histogram of l23
+    OUT/interaction.json    the share of questions with l23 < 0, counts, and each variant's source
 """
 
 from __future__ import annotations
@@ -93,6 +102,92 @@ def grad_conflict(
         plot(report, out / "angles.png")
     log_line(table(summary))
     return summary
+
+
+def measure_interaction(
+    spec: EvalSpec,
+    out: str | Path,
+    *,
+    joint: str,
+    reas: str,
+    tool: str,
+    base: str | None = None,
+    hybrids: bool = False,
+    log_line: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Evaluate each variant (`spec` says the task, workflow, samples and sampling) and attribute. A
+    variant is a training run (its newest checkpoint) or a directory that already holds `rolerl eval`
+    samples; `base` defaults to the joint run's base model without adapters. The hybrids route one kind
+    to a trained adapter and the rest to the base model: `hybrid_tool` = the tool run's adapter on tool-call
+    tokens, `hybrid_reas` = the reasoning run's adapter on every kind but tool calls."""
+    from rolerl.config import load_config
+    from rolerl.diagnostics.interaction import interaction, summary, write_csv
+    from rolerl.diagnostics.interaction import plot as plot_interaction
+    from rolerl.eval.harness import run_eval
+
+    out = Path(out)
+    sources = {"joint": joint, "reas": reas, "tool": tool, "base": base}
+    if base is None:
+        sources["base"] = load_config(Path(joint) / "config.yaml").model.spec
+    dirs: dict[str, Path] = {}
+    for name, source in sources.items():
+        dirs[name] = _variant(spec, name, source, out, None, run_eval, log_line)
+    if hybrids:
+        for name, run, on_adapter in [("hybrid_tool", tool, lambda k: k == "tool_call"),
+                                      ("hybrid_reas", reas, lambda k: k != "tool_call")]:  # fmt: skip
+            dirs[name] = _variant(
+                spec, name, run, out, _hybrid_table(spec, run, on_adapter), run_eval, log_line
+            )
+    result = interaction(dirs)
+    write_csv(result, out / "interaction.csv")
+    plot_interaction(result, out / "interaction.png")
+    report = {"share_l23_negative": result.share_negative, "kept": result.kept, "dropped": result.dropped,
+               "mean_l23": float(result.l23.mean()), "median_l23": float(result.l23.quantile(0.5)),
+               "samples": spec.n, "sources": {k: str(v) for k, v in sources.items()},
+               "hybrids": hybrids, "task": spec.task, "workflow": spec.workflow}  # fmt: skip
+    tmp = out / "interaction.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out / "interaction.json")
+    log_line(summary(result))
+    return report
+
+
+def _variant(spec: EvalSpec, name: str, source: str, out: Path, table, run_eval, log_line) -> Path:
+    """The directory of a variant's samples: `source` itself if it holds them (and is not a run to
+    route), else a fresh (or resumed) evaluation under `out/name`."""
+    import dataclasses
+
+    path = Path(source)
+    if table is None and (path / "samples.jsonl").is_file():
+        return path
+    target = out / name
+    if path.is_dir() and (path / "config.yaml").is_file():
+        what = {"run": str(path), "table": table}
+    elif table is None and not path.exists():
+        what = {"model": source}  # a model spec: the base model alone
+    else:
+        raise ValueError(
+            f"{name}: {source!r} is neither a training run (config.yaml) nor an eval (samples.jsonl)"
+        )
+    log_line(f"{name}: evaluating {source} ({spec.n} samples per question)")
+    resume = (target / "samples.jsonl").exists()
+    run_eval(dataclasses.replace(spec, **what, out=str(target), resume=resume), log_line=lambda _: None)
+    return target
+
+
+def _hybrid_table(spec: EvalSpec, run: str, on_adapter) -> dict[str, dict[str, str | None]]:
+    """Each role: the run's adapter on the kinds `on_adapter` picks, the base model on the others."""
+    from rolerl.config import load_config
+    from rolerl.roles import KINDS
+    from rolerl.tasks import load_task
+    from rolerl.train.policy import build_topology
+    from rolerl.workflows import load_workflow
+
+    cfg = load_config(Path(run) / "config.yaml")
+    roles = load_workflow(spec.workflow, load_task(spec.task, spec.data), spec.workflow_options).roles
+    topology = build_topology(cfg, roles)
+    return {role: {kind: (topology.adapter_of(role, kind) if on_adapter(kind) else None) for kind in KINDS}
+            for role in roles}  # fmt: skip
 
 
 def table(summary: dict[str, Any]) -> str:

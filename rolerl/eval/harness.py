@@ -44,6 +44,9 @@ class EvalSpec:
     adapters: str | None = None  # a directory of PEFT adapters named after the topology's adapters
     run: str | None = None  # a training run: its config (model, topology) and its newest checkpoint
     preset: str = "shared"  # the topology when `adapters` is given without `run`
+    # a routing table instead of the preset or the run's topology (`adapters.table`: role -> adapter, or
+    # {kind: adapter | None, default: ...}); e.g. one kind on a trained adapter and the rest on the base
+    table: dict[str, Any] | None = None
     n: int = 1  # samples per example
     temperature: float = 0.0  # 0 = greedy (n must then be 1)
     top_p: float = 1.0
@@ -72,6 +75,8 @@ class EvalSpec:
             raise ValueError("give --adapters DIR or --run RUN, not both")
         if self.resume and not self.out:
             raise ValueError("--resume needs --out DIR (the samples.jsonl to continue)")
+        if self.table is not None and not (self.adapters or self.run):
+            raise ValueError("--table routes to trained adapters: give --adapters DIR or --run RUN with it")
 
 
 @dataclass
@@ -291,7 +296,11 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         init = str(found[-1][1] / "adapters") if found else str(run / "adapters")
         if not Path(init).is_dir():
             raise FileNotFoundError(f"--run {run}: no checkpoints/step_N/adapters and no adapters/ directory")
-        cfg = dataclasses.replace(cfg, adapters=dataclasses.replace(cfg.adapters, init=init))
+        adapters = dataclasses.replace(cfg.adapters, init=init)
+        if spec.table is not None:
+            adapters = dataclasses.replace(adapters, preset="custom", table=spec.table)
+            identity["table"] = spec.table
+        cfg = dataclasses.replace(cfg, adapters=adapters)
         identity |= {
             "model": cfg.model.spec,
             "run": str(run),
@@ -308,6 +317,10 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         if spec.adapters:
             overrides.append(f"adapters.init={spec.adapters}")
             identity["adapters"] = spec.adapters
+            if spec.table is not None:
+                overrides[2] = "adapters.preset=custom"
+                overrides.append(f"adapters.table={json.dumps(spec.table)}")
+                identity["table"] = spec.table
         else:  # the base model alone: fresh adapters are the identity, no need to add any
             overrides[2] = "adapters.preset=none"
         cfg = load_config(None, overrides)
