@@ -462,11 +462,10 @@ def _yaml_mapping(text: str) -> dict:
 def _rollout_spec(args: argparse.Namespace, out: str | None, resume: bool):
     from rolerl.eval.harness import EvalSpec
 
-    tool = None if args.tool is None else ("" if args.tool == "none" else args.tool)
     return EvalSpec(
         task=args.task, data=args.data, split=args.split, workflow=args.workflow, model=args.model,
         dtype=args.dtype, adapters=args.adapters, run=args.run_dir, preset=args.preset, table=args.table, n=args.n,
-        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, tool=tool or None,
+        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, tool=args.tool,
         max_tool_calls=args.max_tool_calls, limit=args.limit, seed=args.seed, out=out, resume=resume,
         max_batch=args.max_batch,
         tool_options={k: v for k, v in {"corpus": args.corpus, "url": args.search_url}.items() if v},

@@ -51,7 +51,7 @@ class EvalSpec:
     temperature: float = 0.0  # 0 = greedy (n must then be 1)
     top_p: float = 1.0
     max_new_tokens: int = 512
-    tool: str | None = None  # None = the workflow's (tir: python)
+    tool: str | None = None  # None = the workflow's (tir: python); "none" = no tool
     max_tool_calls: int = 4
     tool_options: dict[str, Any] = field(
         default_factory=dict
@@ -163,6 +163,7 @@ def rollouts(
     from rolerl.train.rl import role_calls, run_tools
 
     tool = spec.tool if spec.tool is not None else getattr(workflow, "tool", None)
+    tool = None if tool == "none" else tool
     options = {tool: spec.tool_options} if tool and spec.tool_options else {}
     engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch,
                             tools=build_tools(run_tools(cfg, tool), **options))

@@ -106,3 +106,8 @@ def test_eval_on_the_default_model_and_a_benchmark_resumes_exactly(tmp_path, sha
     again = run_eval(EvalSpec(**spec, out=str(cut), resume=True), log_line=lambda _: None)
     assert again["metrics"] == full["metrics"] and full["metrics"]["examples"] == 4
     assert full["identity"]["model"] == "default"
+
+
+def test_tool_none_runs_no_tool_even_where_the_workflow_has_one():
+    with pytest.raises(ValueError, match="the tir workflow needs a tool"):
+        run_eval(EvalSpec(**BASE, workflow="tir", tool="none"), log_line=lambda _: None)
