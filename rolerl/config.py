@@ -304,10 +304,21 @@ class RunConfig(Section):
     keep_last: int = 3  # checkpoints kept (older ones deleted)
     tensorboard: bool = True  # write TensorBoard logs when `tensorboard` is installed
     progress: bool = True  # rich progress bar
+    # a W&B project: log metrics, the config and the run's PNGs there (pip install 'rolerl[wandb]';
+    # WANDB_MODE=offline works without a server); null = no W&B
+    wandb: str | None = None
+    wandb_entity: str | None = None  # the W&B user or team that owns run.wandb; null = your default entity
 
     def check(self) -> None:
         self.require(self.checkpoint_every >= 1, "checkpoint_every", "an integer >= 1")
         self.require(self.keep_last >= 1, "keep_last", "an integer >= 1")
+        # W&B refuses these characters in a project name, and only says so once the run starts
+        self.require(
+            self.wandb is None or (0 < len(self.wandb) <= 128 and not set(self.wandb) & set("/\\#?%:")),
+            "wandb",
+            "null or a W&B project name (1-128 characters, none of / \\ # ? % :)",
+        )
+        self.require(self.wandb_entity is None or bool(self.wandb_entity), "wandb_entity", "null or a name")
 
 
 @dataclass
@@ -324,6 +335,9 @@ class SFTConfig(Section):
         self.require(self.batch_size >= 1, "batch_size", "an integer >= 1")
         self.require(self.max_len >= 2, "max_len", "an integer >= 2")
         self.require(self.lr > 0, "lr", "a number > 0")
+
+
+ROLE_TAGS = ("tool_open", "tool_close", "output_open", "output_close")  # `roles.<r>.tags` keys
 
 
 @dataclass
@@ -345,6 +359,10 @@ class RoleConfig(Section):
         None  # the tool its calls may call; null = rollout.tool
     )
     stop: list[str] | None = None  # stop strings added to the workflow's own for this role's calls
+    # the tool-call and tool-output tags of this role's calls, replacing the workflow's, e.g. {tool_open:
+    # <tool_call>, tool_close: </tool_call>}; keys tool_open, tool_close, output_open, output_close (answer
+    # tags belong to the task's grader)
+    tags: dict[str, str] | None = None
 
     def check(self) -> None:
         from rolerl.roles import POLICY_KINDS
@@ -367,6 +385,14 @@ class RoleConfig(Section):
             self.max_tool_calls is None or self.max_tool_calls >= 0, "max_tool_calls", "null or >= 0"
         )
         self.require(self.tool in (None, "none", "python", "search"), "tool", "null, none, python or search")
+        self.require(
+            self.tags is None
+            or (
+                set(self.tags) <= set(ROLE_TAGS) and all(isinstance(v, str) and v for v in self.tags.values())
+            ),
+            "tags",
+            f"null or a mapping of {list(ROLE_TAGS)} to non-empty strings",
+        )
         self.require(
             self.stop is None or all(isinstance(x, str) and x for x in self.stop),
             "stop",

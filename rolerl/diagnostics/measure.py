@@ -71,11 +71,19 @@ def grad_conflict(
     out.mkdir(parents=True, exist_ok=True)
     report = ConflictReport()
     temperature = spec.temperature or 1.0
-    with ProgressBar("grad-conflict", len(examples) * spec.n, enabled=spec.progress) as bar:
-        for chunk, episodes in rollouts(spec, workflow, policy, cfg, examples, range(len(examples)), bar):
+    total, done = len(examples) * spec.n, 0
+    with (
+        ProgressBar("rollouts", total, enabled=spec.progress) as rolled,
+        ProgressBar("gradients", total, enabled=spec.progress) as graded,
+    ):
+        for chunk, episodes in rollouts(spec, workflow, policy, cfg, examples, range(len(examples)), rolled):
             for example, eps in zip(chunk, episodes, strict=True):
-                grads = [episode_gradients(model, ep, policy.route_of, chosen, group_by=group_by,
-                                           temperature=temperature) for ep in eps]  # fmt: skip
+                grads = []
+                for ep in eps:
+                    grads.append(episode_gradients(model, ep, policy.route_of, chosen, group_by=group_by,
+                                                   temperature=temperature))  # fmt: skip
+                    done += 1
+                    graded.update(done)
                 report.add(example.id, grads)
     summary = {
         "comparisons": report.summary(),

@@ -5,6 +5,7 @@ RUN_DIR/
   config.yaml                 the resolved config (every field, after overrides)
   metrics.jsonl               one flat JSON object per step
   tensorboard/                event files (when `tensorboard` is installed)
+  wandb/                      W&B's own files (when `run.wandb` names a project)
   checkpoints/step_N/         adapters/<name>/ (PEFT directories) + state.pt (optimizer, RNG, step, ...)
 ```
 
@@ -16,12 +17,14 @@ that cannot be read back (a disk fault) is skipped for the previous one, with a 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +43,7 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 _WARNED = False
 # What a run writes into its directory: what `--overwrite` removes (checkpoints first: see `clear_run`)
-RUN_FILES = ("checkpoints", "adapters", "metrics.jsonl", "tensorboard", "config.yaml")
+RUN_FILES = ("checkpoints", "adapters", "metrics.jsonl", "tensorboard", "wandb", "config.yaml")
 
 
 class CheckpointError(ValueError):
@@ -101,11 +104,22 @@ def clear_run(run_dir: str | Path) -> None:
 
 
 class RunDir:
-    """Writes one run's files. `resume_step` truncates metrics past the checkpoint being resumed."""
+    """Writes one run's files. `resume_step` truncates metrics past the checkpoint being resumed;
+    `wandb` (a project, with its `wandb_entity`) mirrors the run to W&B (`WandbRun`)."""
 
-    def __init__(self, path: str | Path, *, tensorboard: bool = True, resume_step: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        wandb: str | None = None,
+        wandb_entity: str | None = None,
+    ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        # first: without the package (or a W&B login) the run stops before it changes a file
+        self.wandb = WandbRun(self.path, wandb, wandb_entity) if wandb is not None else None
         self.metrics_path = self.path / "metrics.jsonl"
         if resume_step is not None:
             self._truncate_metrics(resume_step)
@@ -113,9 +127,11 @@ class RunDir:
 
     def write_config(self, cfg: Config) -> None:
         _atomic_write_text(self.path / "config.yaml", cfg.to_yaml())
+        if self.wandb is not None:
+            self.wandb.set_config(cfg.to_dict())
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Append one flat JSON object; mirror the numbers to TensorBoard."""
+        """Append one flat JSON object; mirror the numbers to TensorBoard and W&B."""
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.writer is not None:
@@ -124,6 +140,8 @@ class RunDir:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """The logged rows. A last line cut short (the process was killed while appending it) is dropped
@@ -147,11 +165,53 @@ class RunDir:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
     def _truncate_metrics(self, step: int) -> None:
         """Steps after the resumed checkpoint are run again: drop their old lines."""
         kept = [m for m in self.read_metrics() if int(m["step"]) <= step]
         _atomic_write_text(self.metrics_path, "".join(json.dumps(m) + "\n" for m in kept))
+
+
+class WandbRun:
+    """One run mirrored to Weights & Biases (an optional extra, imported here: DESIGN style 10).
+
+    The W&B run id is a hash of the run directory's absolute path, so `--resume` continues the same W&B
+    run. `step` is a metric that every other metric is plotted against, rather than W&B's own step: W&B
+    drops rows whose own step goes backwards, and a resumed run logs again the steps after its checkpoint.
+    W&B keeps its files in `RUN_DIR/wandb/`; with WANDB_MODE=offline, `wandb sync` uploads them later."""
+
+    def __init__(self, root: Path, project: str, entity: str | None = None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(
+                f"run.wandb={project!r} needs the wandb package: pip install 'rolerl[wandb]'"
+            ) from None
+        self.root, self.last_step, self.wandb = root, None, wandb
+        path_hash = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+        self.run = wandb.init(
+            project=project, entity=entity, dir=str(root), name=root.name, id=path_hash, resume="allow"
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def set_config(self, config: dict[str, Any]) -> None:
+        # allow_val_change: a resumed run may change fields (a larger train.steps)
+        self.run.config.update(config, allow_val_change=True)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        self.last_step = metrics.get("step", self.last_step)
+
+    def close(self) -> None:
+        """Log the PNGs in the run directory as `plots/<stem>` (at the last step), then end the run:
+        failed if an exception is on its way out (`close` runs in the trainer's `finally`)."""
+        plots = {f"plots/{p.stem}": self.wandb.Image(str(p)) for p in sorted(self.root.glob("*.png"))}
+        if plots:
+            self.run.log(plots | ({"step": self.last_step} if self.last_step is not None else {}))
+        self.run.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
 
 
 def _tensorboard_writer(path: Path, resume_step: int | None):

@@ -92,7 +92,13 @@ def train(
     start = _restore(cfg, policy, optimizer) if resume else 0  # RNG states restored too
     evaluation = _held_out_set(cfg, task) if cfg.eval.every else None
     engines = _engines(cfg, policy)  # before any write: a tool that cannot work here stops the run now
-    run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard, resume_step=start if resume else None)
+    run = RunDir(
+        cfg.run.dir,
+        tensorboard=cfg.run.tensorboard,
+        resume_step=start if resume else None,
+        wandb=cfg.run.wandb,
+        wandb_entity=cfg.run.wandb_entity,
+    )
     run.write_config(cfg)
     health = ToolHealth()
     backend = _backend(cfg, engines)
@@ -402,6 +408,7 @@ def role_calls(cfg: Config, policy: Policy) -> dict[str, RoleCalls]:
             max_tool_calls=rc.max_tool_calls if rc else None,
             tool=rc.tool if rc else None,
             stop=tuple(rc.stop or ()) if rc else (),
+            tags=dict(rc.tags or {}) if rc else {},
         )
     return out
 

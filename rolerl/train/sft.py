@@ -228,7 +228,9 @@ def sft(
     parts = _parts(policy, turns, roles, loss_kinds)
     steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
     optimizer = policy.optimizer(cfg.optim, lr=cfg.sft.lr)
-    run = RunDir(cfg.run.dir, tensorboard=cfg.run.tensorboard)
+    run = RunDir(
+        cfg.run.dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_entity=cfg.run.wandb_entity
+    )
     run.write_config(cfg)
     generator = torch.Generator().manual_seed(cfg.run.seed)
     step = 0

@@ -46,6 +46,7 @@ class RoleCalls:
     max_tool_calls: int | None = None
     tool: str | None = None  # the engine tool its calls may call; None = the context's, "none" = no tool
     stop: tuple[str, ...] = ()  # stop strings added to each call's own
+    tags: Mapping[str, str] = field(default_factory=dict)  # tool and output tags replacing the call's
 
     def sampling(self) -> dict[str, Any]:
         """The `SamplingParams` fields this role overrides."""
@@ -107,7 +108,7 @@ class Context:
             params,
             role=role,
             route_of=self.route_of[role],
-            tags=tags or self.tags,
+            tags=dataclasses.replace(tags or self.tags, **calls.tags),
             tool=tool,
             max_tool_calls=self.max_tool_calls if calls.max_tool_calls is None else calls.max_tool_calls,
             model=calls.model,

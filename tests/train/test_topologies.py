@@ -196,7 +196,8 @@ def test_per_role_call_settings_apply_to_that_roles_calls_only(tmp_path):
 
 def test_per_role_tool_and_stop_strings_reach_that_roles_requests(tokenizer):
     backend = ScriptedBackend(tokenizer, lambda request, prompt: "ok")
-    roles = {"planner": RoleCalls(tool="none", stop=("DONE",)), "coder": RoleCalls(tool="search")}
+    tags = {"tool_open": "<tool_call>", "tool_close": "</tool_call>"}
+    roles = {"planner": RoleCalls(tool="none", stop=("DONE",)), "coder": RoleCalls(tool="search", tags=tags)}
     route_of = {role: dict.fromkeys(KINDS, 0) for role in ("planner", "coder", "other")}
     ctx = Context(backend, tokenizer, route_of, SamplingParams(stop=("</x>",)), 0, tool="python", roles=roles)
     ask = [{"role": "user", "content": "hi"}]
@@ -210,6 +211,12 @@ def test_per_role_tool_and_stop_strings_reach_that_roles_requests(tokenizer):
     requests = [c.request for c in backend.calls]
     assert [r.tool for r in requests] == [None, "search", "python"]  # "none": this role calls no tool
     assert [r.sampling.stop for r in requests] == [("</answer>", "DONE"), ("</x>",), ("</x>",)]
+    assert [(r.tags.tool_open, r.tags.output_open) for r in requests] == [
+        ("<code>", "<output>"), ("<tool_call>", "<output>"), ("<code>", "<output>")]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"roles.coder.tags=\{'answer_open': 'A'\}; allowed: null or a mapping"
+    ):
+        load_config(None, ["roles.coder.tags={answer_open: A}"])
     cfg = load_config(None, ["rollout.tool=python", "roles.coder.tool=search", "roles.planner.tool=none",
                              "roles.planner.stop=[DONE]"])  # fmt: skip
     assert run_tools(cfg, cfg.rollout.tool) == ["python", "search"]
