@@ -170,6 +170,9 @@ class Pair:
 @dataclass
 class ConflictReport:
     pairs: list[Pair] = field(default_factory=list)
+    # same-group pairs left out because the two gradients are bitwise equal: the trajectories sampled the
+    # same tokens (a confident model often does), which says nothing about how two *different* samples align
+    duplicates: dict[str, int] = field(default_factory=dict)
 
     def add(self, query: str, gradients: Sequence[Mapping[str, ModuleGrads]]) -> None:
         """The pairs of one query's trajectories (`gradients[i]`: group -> module grads of trajectory i)."""
@@ -177,6 +180,9 @@ class ConflictReport:
         for g in groups:
             for i, j in itertools.combinations(range(len(gradients)), 2):
                 if g in gradients[i] and g in gradients[j]:
+                    if all(torch.equal(gradients[i][g][m], gradients[j][g][m]) for m in gradients[i][g]):
+                        self.duplicates[g] = self.duplicates.get(g, 0) + 1
+                        continue
                     self._pair("same", g, g, query, i, j, gradients[i][g], gradients[j][g])
         for i, grads in enumerate(gradients):
             for a, b in itertools.combinations([g for g in groups if g in grads], 2):
@@ -195,6 +201,7 @@ class ConflictReport:
             degrees = sorted(p.angle.degrees for p in pairs)
             rows.append({
                 "comparison": key[0], "a": key[1], "b": key[2], "pairs": len(pairs),
+                "identical_pairs_left_out": self.duplicates.get(key[1], 0) if key[0] == "same" else 0,
                 "mean_angle": sum(degrees) / len(degrees), "median_angle": _median(degrees),
                 "under_30": sum(d < 30 for d in degrees) / len(degrees),
                 "mean_cos": sum(p.angle.cos for p in pairs) / len(pairs),

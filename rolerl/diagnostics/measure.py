@@ -201,11 +201,13 @@ def _hybrid_table(spec: EvalSpec, run: str, on_adapter) -> dict[str, dict[str, s
 def table(summary: dict[str, Any]) -> str:
     lines = [f"{summary['queries']} queries x {summary['samples']} samples, {summary['parameters'] / 1e6:.2f}M "
              f"parameters ({summary['params']}), groups by {summary['groups']}",
-             f"  {'comparison':<34} {'pairs':>6} {'mean':>7} {'median':>7} {'<30deg':>7} {'conflict':>9}"]  # fmt: skip
+             f"  {'comparison':<34} {'pairs':>6} {'mean':>7} {'median':>7} {'<30deg':>7} {'conflict':>9} "
+             f"{'identical':>9}"]  # fmt: skip
     for r in summary["comparisons"]:
         what = f"{r['a']} (trajectories i != j)" if r["comparison"] == "same" else f"{r['a']} vs {r['b']}"
         lines.append(f"  {what:<34} {r['pairs']:>6} {r['mean_angle']:>6.1f}d {r['median_angle']:>6.1f}d "
-                     f"{100 * r['under_30']:>6.0f}% {100 * r['conflict_frac']:>8.0f}%")  # fmt: skip
+                     f"{100 * r['under_30']:>6.0f}% {100 * r['conflict_frac']:>8.0f}% "
+                     f"{r['identical_pairs_left_out']:>9}")  # fmt: skip
     return "\n".join(lines)
 
 

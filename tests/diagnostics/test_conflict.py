@@ -141,14 +141,18 @@ def _reorder(flat: torch.Tensor, params) -> torch.Tensor:
     return torch.cat([torch.cat(v) for v in pieces.values()])
 
 
-def test_identical_trajectories_have_parallel_gradients_and_all_weights_work(tokenizer):
+def test_identical_trajectories_are_left_out_and_all_weights_work(tokenizer):
     model, route_of, episode = dart_episode(tokenizer)
     frozen = {n: p.requires_grad for n, p in model.named_parameters()}
     report = ConflictReport()
     g = episode_gradients(model, episode, route_of, select_params(model, "all"))
-    report.add("q", [g, g])
+    report.add("q", [g, g, {"reasoning": {m: 2 * v for m, v in g["reasoning"].items()}}])
     same = [p for p in report.pairs if p.comparison == "same"]
-    assert same and all(p.angle.cos == pytest.approx(1.0, abs=1e-6) for p in same)
+    # the two identical trajectories are counted, not paired; the scaled copy is parallel to both
+    assert report.duplicates == {"reasoning": 1, "tool_call": 1, "answer": 1}
+    assert len(same) == 2 and all(p.angle.cos == pytest.approx(1.0, abs=1e-6) for p in same)
+    rows = {(r["comparison"], r["a"], r["b"]): r for r in report.summary()}
+    assert rows[("same", "reasoning", "reasoning")]["identical_pairs_left_out"] == 1
     assert {n: p.requires_grad for n, p in model.named_parameters()} == frozen, "requires_grad restored"
     assert "model.embed_tokens" in g["reasoning"]
     with pytest.raises(
