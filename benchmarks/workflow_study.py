@@ -11,7 +11,8 @@ trained on the TIR format, copied to every role's adapter), with GRPO under
 
 outcome reward broadcast, advantage groups per voter index (`role_instance`), the same seeds and budget;
 and, at the same budget (steps x tasks x samples), `reasoner_tools` (a reasoner asking a coder for
-computations, both warm-started from the same TIR adapter, `isolated`) against single-agent `tir`.
+computations, `isolated`, warm-started by imitation of its own protocol on the same 256 problems) against
+single-agent `tir`.
 
     python benchmarks/workflow_study.py run --out runs/wstudy --seeds 0 1          # ~15 min per run on 2 cores
     python benchmarks/workflow_study.py summarize runs/wstudy --plot docs/workflow_study.png
@@ -38,6 +39,9 @@ COMMON = [
     "rollout.max_new_tokens=64", "rollout.max_tool_calls=2", "rollout.tool=python", f"rollout.n={SAMPLES}",
     f"train.steps={STEPS}", f"train.tasks_per_step={TASKS}", "train.mini_batches=1", "algorithm.beta=0.0",
     "run.progress=false", "run.checkpoint_every=100",
+    # the engine's KV cache grows with max_batch x max_len (the model's 8192 by default): a voting run
+    # reached 13 GB resident without these bounds; prompts + samples here stay under 1024 positions
+    "rollout.max_batch=32", "rollout.max_len=1024",
 ]  # fmt: skip
 VOTING = ["task.workflow=voting", "task.workflow_options={voters: 3}", "algorithm.reward=outcome",
           "algorithm.group_key=role_instance", "train.mini_batch_by=role",
@@ -74,6 +78,38 @@ def warm_start(out: Path) -> Path:
         rolerl("sft", "rolerl/configs/demo.yaml", "--data", str(demos), "--set", f"run.dir={warm}",
                "run.progress=false", log=out / "warm.log")  # fmt: skip
     return warm / "adapters" / "policy"
+
+
+def reasoner_tools_warm_start(out: Path) -> Path:
+    """The same imitation for `reasoner_tools` (MSARL trains its agents by imitation first): on the same
+    256 format problems x 2 epochs, the reasoner asks for the expression in words and answers from the
+    result, the coder prints it; `out/warm-rt/adapters/{reasoner,coder}`."""
+    from rolerl.roles import Tags, format_tool_output
+    from rolerl.tasks.synthetic import format_task
+    from rolerl.workflows.reasoner_tools import CODER_SYSTEM, REASONER_SYSTEM
+
+    warm = out / "warm-rt"
+    if not (warm / "adapters" / "coder" / "adapter_config.json").exists():
+        shutil.rmtree(warm, ignore_errors=True)
+        warm.mkdir(parents=True)
+        task, rows = format_task(), []
+        for ex in task.examples("train", 256, 0):
+            expr, answer, question = ex.meta["expr"], int(ex.answer), ex.question
+            rows.append({"role": "reasoner", "messages": [
+                {"role": "system", "content": REASONER_SYSTEM}, {"role": "user", "content": question},
+                {"role": "assistant", "content": f"<request>compute {expr}</request>"},
+                {"role": "user", "content": f"Result: {answer}"},
+                {"role": "assistant", "content": f"The answer is <answer>{answer}</answer>."}]})  # fmt: skip
+            code = f"<code>\nprint({expr})\n</code>" + format_tool_output(Tags(), f"{answer}\n")
+            rows.append({"role": "coder", "messages": [
+                {"role": "system", "content": CODER_SYSTEM},
+                {"role": "user", "content": f"Problem: {question}\n\nRequest: compute {expr}"},
+                {"role": "assistant", "content": code}]})  # fmt: skip
+        demos = warm / "demos.jsonl"
+        demos.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        rolerl("sft", "rolerl/configs/demo.yaml", "--data", str(demos), "--set", f"run.dir={warm}",
+               "adapters.preset=isolated", "run.progress=false", log=out / "warm-rt.log")  # fmt: skip
+    return warm / "adapters"
 
 
 def init_dir(out: Path, policy: Path, names: list[str]) -> Path:
@@ -113,13 +149,15 @@ def evaluate(out: Path, workflow: str, policy: list[str], target: Path) -> None:
 def run(out: Path, seeds: list[int]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     policy = warm_start(out)
+    inits = {arm: reasoner_tools_warm_start(out) if arm == "reasoner_tools" else init_dir(out, policy, names)
+             for arm, (_, names, _) in ARMS.items()}  # fmt: skip
     for arm, (workflow, names, _) in ARMS.items():  # the warm start through each workflow, once
         if not arm.endswith("-merged"):
             preset = "isolated" if len(names) > 1 else "shared"
-            adapters = ["--adapters", str(init_dir(out, policy, names)), "--preset", preset]
+            adapters = ["--adapters", str(inits[arm]), "--preset", preset]
             evaluate(out, workflow, adapters, out / f"before-{arm}")
     for seed in seeds:
-        for arm, (workflow, names, sets) in ARMS.items():
+        for arm, (workflow, _, sets) in ARMS.items():
             target = out / f"{arm}-s{seed}"
             if (arm not in SEEDED and seed != seeds[0]) or not (done(target) or claim(target)):
                 continue
@@ -127,7 +165,7 @@ def run(out: Path, seeds: list[int]) -> None:
                 shutil.rmtree(target, ignore_errors=True)
                 print(f"{arm} seed {seed}", flush=True)
                 rolerl("train", "rolerl/configs/demo.yaml", "--set", f"run.dir={target}", f"run.seed={seed}",
-                       f"adapters.init={init_dir(out, policy, names)}", *COMMON, *sets,
+                       f"adapters.init={inits[arm]}", *COMMON, *sets,
                        log=out / f"{arm}-s{seed}.log")  # fmt: skip
             evaluate(out, workflow, ["--run", str(target)], out / f"after-{arm}-s{seed}")
 
