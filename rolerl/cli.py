@@ -23,6 +23,7 @@ EPILOG = """examples:
   rolerl eval --task arithmetic --model tiny:llama --limit 8 --out runs/eval
   rolerl collect --task gsm8k --workflow tir --n 8 --out demos.jsonl    correct rollouts as SFT data
   rolerl diagnose grad-conflict --task synthetic --workflow tir --run runs/demo/rl --limit 8 --out runs/gc
+  rolerl report runs/a runs/b --out runs/report          one offline HTML page comparing runs
 """
 
 
@@ -629,6 +630,23 @@ def _run_serve_retriever(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where report.html and the PNGs go (default: the first RUN_DIR's report/)")  # fmt: skip
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    """One self-contained HTML page of one or more runs (overlaid, one colour per run), viewable offline:
+    reward and accuracy, eval curves, role loss shares and adapter gradient norms, entropy, tools, gradient
+    conflict, the seesaw of tool use against accuracy, each run's config and their differences; plus a PNG
+    per figure. Prints the page's path."""
+    from rolerl.report.html import write_report
+
+    print(write_report(args.runs, args.out))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "generate": (
         "generate with the rollout engine (tools, routes, log-probs)",
@@ -666,6 +684,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         "demonstrations from a workflow's correct rollouts (rejection sampling), for sft",
         _configure_collect,
         _run_collect,
+    ),
+    "report": (
+        "an offline HTML report (and PNGs) of one or more runs' metrics and configs",
+        _configure_report,
+        _run_report,
     ),
 }
 
