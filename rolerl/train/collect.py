@@ -83,6 +83,8 @@ def collect(
     done_file = out.with_name(out.name + ".done")
     if out.exists() and not resume:
         raise ValueError(f"{out} exists: continue it with --resume, or choose another --out")
+    if not resume:
+        done_file.unlink(missing_ok=True)  # a stale record of another collection into this path
     task = load_task(spec.task, spec.data)
     workflow = load_workflow(spec.workflow, task, spec.workflow_options)
     unknown = set(keep.roles) - set(workflow.roles)

@@ -80,6 +80,9 @@ def test_resume_after_a_kill_gives_the_uninterrupted_collection(tmp_path):
         collect(EvalSpec(**SPEC), cut, Keep("all"), log_line=lambda _: None)
     collect(EvalSpec(**SPEC), cut, Keep("all"), resume=True, log_line=lambda _: None)
     assert cut.read_text() == full.read_text()  # each sample's seed is a function of (seed, example, j)
+    cut.unlink()  # a fresh collection into the same path ignores the old record of examples done
+    collect(EvalSpec(**SPEC), cut, Keep("all"), log_line=lambda _: None)
+    assert cut.read_text() == full.read_text()
 
 
 def test_token_rows_are_checked(tmp_path, tokenizer):
