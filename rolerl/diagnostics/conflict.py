@@ -88,9 +88,8 @@ def episode_gradients(
         for turn in episode.turns:
             batch = collate([turn], [0.0], route_of)
             with torch.enable_grad():
-                logp = token_logprobs(model, batch, temperature=temperature, share_prefix=False).logp[
-                    0
-                ]  # (T-1,)
+                scored = token_logprobs(model, batch, temperature=temperature, share_prefix=False)
+                logp = scored.logp[0]  # (T-1,)
                 on = batch.loss_mask[0, :-1].bool()  # (T-1,) column p is about token p + 1
                 kinds = batch.kind_ids[0, 1:]  # (T-1,)
                 groups = {turn.role: on} if group_by == "role" else {
