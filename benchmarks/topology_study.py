@@ -16,12 +16,13 @@ and plots rollout accuracy per step (mean over seeds) per arm.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from _study import main, plot_curves
 
 ARMS = {
     "shared": ["adapters.preset=shared", "adapters.rank=16"],
@@ -85,7 +86,9 @@ def summarize(out: Path, plot: Path | None) -> str:
             lines.append(f"| {arm} | {len(mine)} | {100 * statistics.mean(r['after'] for r in mine):.1f}% | "
                          f"{statistics.mean(r['gain'] for r in mine):+.1f} |")  # fmt: skip
     if plot is not None and curves:
-        _plot(curves, plot)
+        plot_curves(
+            curves, plot, "demo: shared vs dart vs masked (reasoning only), total rank 16", "rollout accuracy"
+        )
     return "\n".join(lines)
 
 
@@ -96,45 +99,5 @@ def _mean(metrics: list[dict], key: str) -> str:
     return f"{statistics.mean(values):.3f}" if values else "n/a"
 
 
-def _plot(curves: dict[str, list[list[float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for arm, runs in curves.items():
-        steps = range(1, min(len(r) for r in runs) + 1)
-        mean = [statistics.mean(r[s - 1] for r in runs) for s in steps]
-        ax.plot(list(steps), mean, marker="o", label=f"{arm} ({len(runs)} seeds)")
-        for r in runs:
-            ax.plot(list(steps), r[: len(steps)], alpha=0.25, color=ax.lines[-1].get_color())
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("rollout accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("demo: shared vs dart vs masked (reasoning only), total rank 16")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", type=Path, default=Path("runs/study"))
-    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    s = sub.add_parser("summarize")
-    s.add_argument("out", type=Path)
-    s.add_argument("--plot", type=Path, default=Path("docs/topology_study.png"))
-    args = p.parse_args()
-    if args.command == "run":
-        run(args.out, args.seeds)
-    else:
-        print(summarize(args.out, args.plot))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, summarize, out="runs/study", plot="docs/topology_study.png")

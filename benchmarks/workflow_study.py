@@ -25,14 +25,14 @@ each arm's own workflow, before (the warm start) and after RL.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from _study import main, plot_curves
 
 STEPS, TASKS, SAMPLES, EVAL_LIMIT = 6, 4, 4, 64
 COMMON = [
@@ -197,7 +197,12 @@ def summarize(out: Path, plot: Path | None) -> str:
                 f"{'n/a' if arm in ('tir', 'reasoner_tools') else f'{bad / STEPS:.2f} per episode'} | {wall:.1f} min |"
             )
     if plot is not None and curves:
-        _plot(curves, plot)
+        plot_curves(
+            curves,
+            plot,
+            "voting SP vs IP vs IP-merged; reasoner_tools vs tir",
+            "rollout accuracy (episode correct)",
+        )
     return "\n".join(lines)
 
 
@@ -213,43 +218,5 @@ def _held_out(target: Path) -> str:
     return f"{100 * m['pass@1']:.1f}% (+- {100 * m['stderr']:.1f})"
 
 
-def _plot(curves: dict[str, list[list[float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for arm, runs in curves.items():
-        steps = list(range(1, min(len(r) for r in runs) + 1))
-        mean = [statistics.mean(r[s - 1] for r in runs) for s in steps]
-        ax.plot(steps, mean, marker="o", label=f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("rollout accuracy (episode correct)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("voting SP vs IP vs IP-merged; reasoner_tools vs tir")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", type=Path, default=Path("runs/wstudy"))
-    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    s = sub.add_parser("summarize")
-    s.add_argument("out", type=Path)
-    s.add_argument("--plot", type=Path, default=Path("docs/workflow_study.png"))
-    args = p.parse_args()
-    if args.command == "run":
-        run(args.out, args.seeds)
-    else:
-        print(summarize(args.out, args.plot))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, summarize, out="runs/wstudy", plot="docs/workflow_study.png")

@@ -1,0 +1,50 @@
+"""What the study scripts share: their command line (`run` / `summarize`) and the accuracy-per-step plot."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+
+def plot_curves(curves: dict[str, list[list[float]]], path: Path, title: str, ylabel: str) -> None:
+    """Per arm, the mean over seeds of a per-step curve (faint: each seed), one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for arm, runs in curves.items():
+        steps = list(range(1, min(len(r) for r in runs) + 1))
+        mean = [statistics.mean(r[s - 1] for r in runs) for s in steps]
+        ax.plot(steps, mean, marker="o", label=f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+        for r in runs if len(runs) > 1 else []:
+            ax.plot(steps, r[: len(steps)], alpha=0.25, color=ax.lines[-1].get_color())
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(doc: str, run: Callable[[Path, list[int]], None], summarize: Callable[[Path, Path | None], str],
+         out: str, plot: str) -> None:  # fmt: skip
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", type=Path, default=Path(out))
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    s = sub.add_parser("summarize")
+    s.add_argument("out", type=Path)
+    s.add_argument("--plot", type=Path, default=Path(plot))
+    args = p.parse_args()
+    if args.command == "run":
+        run(args.out, args.seeds)
+    else:
+        print(summarize(args.out, args.plot))
