@@ -158,16 +158,11 @@ def rollouts(
     time through engines built for `policy`'s models: yields each chunk's examples and their episodes.
     Sampling seeds depend on the example's index, so a chunk samples the same tokens whatever ran before."""
     from rolerl.eval.evaluate import evaluate
-    from rolerl.rollout.engine import Engine
-    from rolerl.tools import build_tools
-    from rolerl.train.rl import role_calls, run_tools
+    from rolerl.train.rl import build_engines, role_calls
 
     tool = spec.tool if spec.tool is not None else getattr(workflow, "tool", None)
     tool = None if tool == "none" else tool
-    options = {tool: spec.tool_options} if tool and spec.tool_options else {}
-    engines = {name: Engine(m.model, m.tokenizer, max_batch=spec.max_batch,
-                            tools=build_tools(run_tools(cfg, tool), **options))
-               for name, m in policy.members.items()}  # fmt: skip
+    engines = build_engines(cfg, policy, tool, spec.tool_options, spec.max_batch)
     try:
         for start in range(0, len(todo), spec.chunk):
             chunk = todo[start : start + spec.chunk]
@@ -376,10 +371,13 @@ def _sample(task: Task, example: Example, j: int, episode: Episode, policy) -> S
 
 
 def _append(path: Path, samples: Sequence[Sample]) -> None:
-    """Append whole lines and flush them to disk: a kill loses at most the chunk in flight."""
-    with path.open("a") as f:
-        for s in samples:
-            f.write(json.dumps(dataclasses.asdict(s)) + "\n")
+    append_lines(path, [json.dumps(dataclasses.asdict(s)) for s in samples])
+
+
+def append_lines(path: str | Path, lines: Sequence[str]) -> None:
+    """Append whole lines and flush them to disk: a kill loses at most the lines in flight."""
+    with Path(path).open("a") as f:
+        f.write("".join(line + "\n" for line in lines))
         f.flush()
         os.fsync(f.fileno())
 

@@ -23,13 +23,12 @@ vocabulary on the ids. Rows are appended chunk by chunk with the examples done i
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rolerl.eval.harness import EvalSpec, rollouts, spec_examples, spec_policy
+from rolerl.eval.harness import EvalSpec, append_lines, rollouts, spec_examples, spec_policy
 from rolerl.types import Episode, Turn
 
 
@@ -109,8 +108,10 @@ def collect(
                 rows += [_row(policy, example.id, j, eps[j], t) for j, t in calls]
             counts["examples"] += len(chunk)
             counts["calls"] += len(rows)
-            _append(out, [json.dumps(r) for r in rows])  # rows first: `_resume` drops a chunk not marked done
-            _append(done_file, [ex.id for ex in chunk])
+            append_lines(
+                out, [json.dumps(r) for r in rows]
+            )  # rows first: `_resume` drops a chunk not marked done
+            append_lines(done_file, [ex.id for ex in chunk])
             bar.update(counts["examples"] * spec.n, f"{counts['calls']} calls kept")
     out.touch()
     log_line(
@@ -154,10 +155,3 @@ def _resume(out: Path, done_file: Path) -> set[str]:
             tmp.write_text("".join(line + "\n" for line in keep))
             tmp.replace(out)
     return done
-
-
-def _append(path: Path, lines: Sequence[str]) -> None:
-    with path.open("a") as f:
-        f.write("".join(line + "\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())

@@ -15,8 +15,9 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -439,18 +440,27 @@ def _held_out_set(cfg: Config, task: Task) -> tuple[Task, Workflow, list[Example
 def _engines(cfg: Config, policy: Policy) -> dict[str, Engine]:
     """One rollout engine per model, with the run's tool, started now: a tool that cannot work on this
     machine (the sandbox without root, say) fails here with its own error, before any step."""
+    options = dict(cfg.rollout.tool_options) if cfg.rollout.tool_options else {}
+    return build_engines(cfg, policy, cfg.rollout.tool, options, cfg.rollout.max_batch, cfg.rollout.max_len)
+
+
+def build_engines(
+    cfg: Config,
+    policy: Policy,
+    tool: str | None,
+    options: Mapping[str, Any],
+    max_batch: int,
+    max_len: int | None = None,
+) -> dict[str, Engine]:
+    """One engine per model of `policy`, each with the tools its calls may call (`run_tools`: `tool` and
+    every role's own; `options` are `tool`'s factory's)."""
     from rolerl.tools import build_tools
 
-    out = {}
-    names = run_tools(cfg, cfg.rollout.tool)
-    options = {cfg.rollout.tool: dict(cfg.rollout.tool_options)} if cfg.rollout.tool in names else {}
-    for name, member in policy.members.items():
-        tools = build_tools(names, **options)
-        out[name] = Engine(
-            member.model, member.tokenizer, max_batch=cfg.rollout.max_batch, max_len=cfg.rollout.max_len,
-            tools=tools,
-        )  # fmt: skip
-    return out
+    names = run_tools(cfg, tool)
+    kwargs = {tool: dict(options)} if options and tool in names else {}
+    return {name: Engine(m.model, m.tokenizer, max_batch=max_batch, max_len=max_len,
+                         tools=build_tools(names, **kwargs))
+            for name, m in policy.members.items()}  # fmt: skip
 
 
 def _backend(cfg: Config, engines: dict[str, Engine]) -> RolloutBackend:

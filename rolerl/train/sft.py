@@ -60,16 +60,17 @@ def read_demonstrations(path: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:  # its "line 1" is the line within this row: give the file's
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if isinstance(row, dict) and "prompt_ids" in row:
-            rows.append(_token_row(row, f"{path}:{n}"))
-            continue
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+        token_row = isinstance(row, dict) and "prompt_ids" in row
+        if not isinstance(row, dict) or not (token_row or isinstance(row.get("messages"), list)):
             raise ValueError(
                 f"{path}:{n}: expected {{'role': ..., 'messages': [...]}} or a token row {{'role': ..., "
                 f"'prompt_ids': [...], 'completion_ids': [...], 'kinds': [...]}}; got {line[:80]!r}"
             )
         if not isinstance(row.get("role", "policy"), str):
             raise ValueError(f"{path}:{n}: role must be a string (a workflow role); got {row['role']!r:.80}")
+        if token_row:
+            rows.append(_token_row(row, f"{path}:{n}"))
+            continue
         for i, message in enumerate(row["messages"]):
             _check_message(message, f"{path}:{n}: messages[{i}]")
         rows.append({"role": row.get("role", "policy"), "messages": row["messages"]})
@@ -77,7 +78,8 @@ def read_demonstrations(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _token_row(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """A `rolerl collect` row, checked: ids are integers >= 0, one known kind per completion id."""
+    """A `rolerl collect` row (its role already checked): ids are integers >= 0, one known kind per
+    completion id."""
     for field in ("prompt_ids", "completion_ids", "kinds"):
         if not isinstance(row.get(field), list):
             raise ValueError(f"{where}: {field} must be a list; got {row.get(field)!r:.60}")
@@ -93,8 +95,6 @@ def _token_row(row: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(
             f"{where}: unknown completion kinds {bad}; allowed: {[k for k in KINDS if k != PROMPT]}"
         )
-    if not isinstance(row.get("role", "policy"), str):
-        raise ValueError(f"{where}: role must be a string (a workflow role); got {row['role']!r:.80}")
     return {"role": row.get("role", "policy"), "where": where, "vocab": row.get("vocab"),
             **{f: row[f] for f in ("prompt_ids", "completion_ids", "kinds")}}  # fmt: skip
 
