@@ -21,6 +21,7 @@ import torch
 from rolerl.algorithms import AggNorm
 from rolerl.diagnostics.conflict import ModuleGrads, cosine, module_of
 from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
+from rolerl.train.distributed import SINGLE, Dist
 from rolerl.train.optim import Optimizer
 from rolerl.train.policy import select_rows
 from rolerl.train.update import Aligned, LossSettings, Part, accumulate_gradients
@@ -33,20 +34,28 @@ def role_gradients(
     optimizer: Optimizer,
     micro_batch_size: int,
     groups: str = "role",
+    dist: Dist = SINGLE,
 ) -> dict[str, float]:
     """`<role|kind>/<g>/grad_norm/<adapter>` for every adapter group g reaches, and for every pair of groups
     that both reach an adapter `grad/cos/<adapter>/<a>__<b>` (overall cosine) and
     `grad/conflict_frac/<adapter>/<a>__<b>` (the share of the adapter's modules where it is negative).
-    `groups`: `role` (each role's rows) or `kind` (each policy kind's tokens, every row)."""
+    `groups`: `role` (each role's rows) or `kind` (each policy kind's tokens, every row). Under data
+    parallelism each rank computes its own rows and the group's gradients are summed over ranks before
+    any norm or cosine (a cosine of summed gradients, not a mean of each rank's cosines)."""
     flat: dict[str, dict[str, ModuleGrads]] = {}  # group -> adapter -> module -> gradient
     for group, subs in _groups(parts, groups):
         optimizer.zero_grad()
-        norm = AggNorm.of(*[sub.loss_mask for _, sub in subs], horizon=s.horizon)
+        norm = AggNorm.of(*[sub.loss_mask for _, _, sub in subs], horizon=s.horizon)
         if norm.num_tokens == 0:
             continue
-        for part, sub in subs:
+        for part, rows, sub in subs:
+            mine = part.mine(rows)
+            if not mine:
+                continue
+            sub = sub if len(mine) == len(rows) else select_rows(sub, mine)
             ps = dataclasses.replace(s, adapter_params=part.adapter_params)
             accumulate_gradients(part.model, sub, Aligned(sub.old_logp), ps, micro_batch_size, norm=norm)
+        dist.reduce_gradients(optimizer.params)
         flat[group] = {g.name: _by_module(g.params) for g in optimizer.groups
                        if any(p.grad is not None for p in g.params.values())}  # fmt: skip
     optimizer.zero_grad()
@@ -64,12 +73,20 @@ def role_gradients(
     return out
 
 
-def _groups(parts: Sequence[Part], groups: str) -> list[tuple[str, list[tuple[Part, TrainBatch]]]]:
-    """Each group's sub-batches: a role's rows, or every row with the loss mask narrowed to one kind."""
+def _groups(parts: Sequence[Part], groups: str) -> list[tuple[str, list[tuple[Part, list[int], TrainBatch]]]]:
+    """Each group's sub-batches `(part, its rows of the part, sub-batch)`: a role's rows, or every row with
+    the loss mask narrowed to one kind."""
     if groups == "role":
         roles = list(dict.fromkeys(r for part in parts for r in part.batch.roles))
-        return [(role, [(part, select_rows(part.batch, [i for i, r in enumerate(part.batch.roles) if r == role]))
-                        for part in parts if role in part.batch.roles]) for role in roles]  # fmt: skip
+        out = []
+        for role in roles:
+            subs = []
+            for part in parts:
+                rows = [i for i, r in enumerate(part.batch.roles) if r == role]
+                if rows:
+                    subs.append((part, rows, select_rows(part.batch, rows)))
+            out.append((role, subs))
+        return out
     out = []
     for kind in (k for k in KINDS if k in POLICY_KINDS):
         subs = []
@@ -79,7 +96,7 @@ def _groups(parts: Sequence[Part], groups: str) -> list[tuple[str, list[tuple[Pa
             mask[:, :-1] = b.loss_mask[:, :-1] * (
                 b.kind_ids[:, 1:] == KIND_INDEX[kind]
             )  # column p: token p+1
-            subs.append((part, dataclasses.replace(b, loss_mask=mask)))
+            subs.append((part, list(range(b.input_ids.shape[0])), dataclasses.replace(b, loss_mask=mask)))
         out.append((kind, subs))
     return out
 

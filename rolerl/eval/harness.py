@@ -183,24 +183,30 @@ def rollouts(
 
 
 def held_out(
-    cfg, policy, engines, task: Task, workflow, examples: Sequence[Example], step: int
+    cfg, policy, engines, task: Task, workflow, examples: Sequence[Example], step: int, dist=None
 ) -> dict[str, float]:
     """The RL loop's periodic evaluation (`cfg.eval`) through the run's own engines: `summarize`'s metrics.
-    Its sampling seeds are its own (`eval`, example, sample), so training's samples do not change."""
+    Its sampling seeds are its own (`eval`, example, sample), so training's samples do not change. Under
+    data parallelism (`dist`) each rank evaluates its share of the examples, seeded by their global index,
+    and every rank summarises all of them."""
     from rolerl.eval.evaluate import evaluate
+    from rolerl.train.distributed import SINGLE
     from rolerl.train.rl import role_calls
 
+    dist = dist or SINGLE
     e = cfg.eval
+    ids = [i for i in range(len(examples)) if dist.owns(i)]
     result = evaluate(
-        engines, policy.route_of, workflow, examples, samples=e.n, greedy=e.temperature == 0,
-        temperature=e.temperature or 1.0, top_p=cfg.rollout.top_p,
+        engines, policy.route_of, workflow, [examples[i] for i in ids], samples=e.n,
+        greedy=e.temperature == 0, temperature=e.temperature or 1.0, top_p=cfg.rollout.top_p,
         max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
         tool=None if cfg.rollout.tool == "none" else cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
-        seed=cfg.run.seed, roles=role_calls(cfg, policy),
+        seed=cfg.run.seed, roles=role_calls(cfg, policy), ids=ids,
     )  # fmt: skip
-    samples = [_sample(task, ex, j, ep, policy)
-               for ex, eps in zip(result.examples, result.episodes, strict=True) for j, ep in enumerate(eps)]  # fmt: skip
-    return summarize(samples, e.n) | {"seconds": result.seconds}
+    rows = [[_sample(task, ex, j, ep, policy) for j, ep in enumerate(eps)]
+            for ex, eps in zip(result.examples, result.episodes, strict=True)]  # fmt: skip
+    samples = [s for row in dist.interleave(rows, len(examples), 1) for s in row]  # in example order
+    return summarize(samples, e.n) | {"seconds": max(dist.gather(result.seconds))}
 
 
 def summarize(samples: Sequence[Sample], n: int) -> dict[str, float]:

@@ -45,6 +45,8 @@ from rolerl.train.checkpoint import (
     save_checkpoint,
 )
 from rolerl.train.credit import advantages_of, turn_rewards
+from rolerl.train.distributed import SINGLE, Dist, init_from_env
+from rolerl.train.distributed import close as close_dist
 from rolerl.train.monitor import ToolHealth, episode_metrics, sampled_tokens, ticker
 from rolerl.train.optim import Optimizer, lr_factor
 from rolerl.train.policy import Policy, build_policy
@@ -74,11 +76,33 @@ def train(
     larger `train.steps` follows the longer schedule from its next step on. Ctrl-C (or an error)
     checkpoints the last completed step first; Ctrl-C then raises `TrainingInterrupted`. `stop_after`
     ends the run after that step, as a kill would (no extra checkpoint). Returns the run directory.
+
+    Under torchrun (`WORLD_SIZE` > 1) each process is one data-parallel rank (`rolerl.train.distributed`):
+    the run, its metrics and its checkpoints are those of one process on the same global batch, and rank
+    0 writes them.
     """
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other: continue the run, or replace it")
-    if not resume:
+    dist = init_from_env()
+    try:
+        return _train(cfg, dist, task, workflow, policy, resume, overwrite, stop_after)
+    finally:
+        close_dist(dist)
+
+
+def _train(
+    cfg: Config,
+    dist: Dist,
+    task: Task | None,
+    workflow: Workflow | None,
+    policy: Policy | None,
+    resume: bool,
+    overwrite: bool,
+    stop_after: int | None,
+) -> Path:
+    if not resume and dist.main:
         prepare_run_dir(cfg.run.dir, "train", overwrite=overwrite)
+    dist.barrier()  # the others start once rank 0 has checked the directory
     task = task if task is not None else load_task(cfg.task.name, cfg.task.data)
     workflow = (
         workflow
@@ -90,7 +114,8 @@ def train(
     params = policy.trainable()
     optimizer = policy.optimizer(cfg.optim)
     seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
-    start = _restore(cfg, policy, optimizer) if resume else 0  # RNG states restored too
+    start = _restore(cfg, policy, optimizer, dist) if resume else 0  # RNG states restored too
+    dist.broadcast(params)  # the ranks start from rank 0's adapters (seeded alike; this makes sure)
     evaluation = _held_out_set(cfg, task) if cfg.eval.every else None
     engines = _engines(cfg, policy)  # before any write: a tool that cannot work here stops the run now
     run = RunDir(
@@ -99,7 +124,7 @@ def train(
         resume_step=start if resume else None,
         wandb=cfg.run.wandb,
         wandb_entity=cfg.run.wandb_entity,
-    )
+    ) if dist.main else _NoRun()  # fmt: skip
     run.write_config(cfg)
     health = ToolHealth()
     backend = _backend(cfg, engines)
@@ -107,7 +132,8 @@ def train(
     done = Completed(start, saved=start)
     undo = StepUndo(params, optimizer)
     try:
-        with ProgressBar("train", cfg.train.steps, completed=start, enabled=cfg.run.progress) as bar:
+        progress = cfg.run.progress and dist.main
+        with ProgressBar("train", cfg.train.steps, completed=start, enabled=progress) as bar:
             for step in range(start + 1, last + 1):
                 lr = _set_lr(optimizer, cfg, step)  # the schedule counts training steps (PAPERS 1.5)
                 undo.arm()
@@ -123,20 +149,21 @@ def train(
                     workflow,
                     report=report,
                     health=health,
+                    dist=dist,
                 )
                 metrics["lr"] = lr
                 if evaluation is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                     report("evaluating on held-out examples")
-                    scores = held_out(cfg, policy, engines, *evaluation, step)
+                    scores = held_out(cfg, policy, engines, *evaluation, step, dist=dist)
                     metrics |= {f"eval/{k}": v for k, v in scores.items()}
                 run.log(metrics)
                 done.complete(step, lr)
                 undo.disarm()
                 if step % cfg.run.checkpoint_every == 0 or step == cfg.train.steps:
-                    _checkpoint(cfg, policy, optimizer, done)
+                    _checkpoint(cfg, policy, optimizer, done, dist)
                 bar.update(step, f"reward {metrics['reward/mean']:.3f} acc {metrics['accuracy']:.2f}")
     except BaseException as e:
-        _checkpoint_on_error(cfg, policy, optimizer, done, undo)
+        _checkpoint_on_error(cfg, policy, optimizer, done, undo, dist)
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingInterrupted):
             raise TrainingInterrupted(done.step + 1, done.saved, cfg.run.dir) from e
         raise
@@ -169,21 +196,28 @@ def _adapters(policy: Policy) -> dict[str, torch.nn.Module]:
     return {name: member.model for member in policy.members.values() for name in adapter_specs(member.model)}
 
 
-def _checkpoint(cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed) -> None:
-    extra = {"train_steps": cfg.train.steps, "lr": done.lr}  # what `_restore` says when a run is extended
-    save_checkpoint(
-        cfg.run.dir, done.step, _adapters(policy), optimizer,
-        keep_last=cfg.run.keep_last, extra=extra, rng=done.rng,
-    )  # fmt: skip
+def _checkpoint(
+    cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed, dist: Dist = SINGLE
+) -> None:
+    """Rank 0 writes (every rank holds the same adapters and optimizer state); the others wait for it, so
+    a checkpoint a step reports exists once any rank goes on."""
+    if dist.main:
+        extra = {"train_steps": cfg.train.steps, "lr": done.lr}  # what `_restore` says when a run is extended
+        save_checkpoint(
+            cfg.run.dir, done.step, _adapters(policy), optimizer,
+            keep_last=cfg.run.keep_last, extra=extra, rng=done.rng,
+        )  # fmt: skip
     done.saved = done.step
+    dist.barrier()
 
 
 def _checkpoint_on_error(
-    cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed, undo: StepUndo
+    cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed, undo: StepUndo, dist: Dist = SINGLE
 ) -> None:
     """Checkpoint the last completed step if it is not yet, undoing a cut-short update first. Never
-    raises: the error that got us here is the one to report."""
-    if done.step <= done.saved:
+    raises: the error that got us here is the one to report. Under torchrun only rank 0 writes, and no
+    rank waits for another (a failed rank would never arrive)."""
+    if done.step <= done.saved or not dist.main:
         return
     try:
         undo.undo()
@@ -193,10 +227,13 @@ def _checkpoint_on_error(
         log.warning("could not checkpoint step %d on the way out (%s)", done.step, e)
 
 
-def _restore(cfg: Config, policy: Policy, optimizer: Optimizer) -> int:
+def _restore(cfg: Config, policy: Policy, optimizer: Optimizer, dist: Dist = SINGLE) -> int:
     """Load the newest readable checkpoint and return its step; 0 (start again) for a run that stopped
-    before its first checkpoint."""
-    clean_partial(cfg.run.dir)
+    before its first checkpoint. Every rank reads the same checkpoint (any number of ranks may resume a
+    run written by any number); rank 0 clears partial writes first."""
+    if dist.main:
+        clean_partial(cfg.run.dir)
+    dist.barrier()
     state = load_newest(cfg.run.dir, _adapters(policy), optimizer)
     if state is None:
         if not holds_run(cfg.run.dir) and not (Path(cfg.run.dir) / "config.yaml").exists():
@@ -245,9 +282,11 @@ def train_step(
     workflow: Workflow,
     report: Callable[[str], None] | None = None,
     health: ToolHealth | None = None,
+    dist: Dist = SINGLE,
 ) -> dict[str, float]:
     """One RL step; returns its flat metrics dict. `report` receives a short progress text now and then
-    (rollout tokens, update micro-batches) for a progress bar."""
+    (rollout tokens, update micro-batches) for a progress bar. Under data parallelism (`dist`) this rank
+    rolls out its own tasks, every rank sees every episode, and the update computes this rank's rows."""
     report = report or (lambda text: None)
     t0 = time.perf_counter()
     # 1. tasks, and n episodes of each through the workflow, all concurrently (one batched engine per model)
@@ -256,13 +295,15 @@ def train_step(
     )
     before = sampled_tokens(backend)
     with ticker(lambda: report(f"rollout: {sampled_tokens(backend) - before} tokens sampled")):
-        episodes = asyncio.run(rollout(cfg, step, policy, backend, workflow, examples))
+        mine = asyncio.run(rollout(cfg, step, policy, backend, workflow, examples, dist))
+    episodes = dist.interleave(mine, len(examples), cfg.rollout.n)  # every rank: the whole step, in order
     if health is not None:
         health.check(step, episodes)
     t1 = time.perf_counter()
     # 2. rewards (the credit rule) -> advantages over the configured groups, each episode counted once
     credit = turn_rewards(episodes, cfg.algorithm)
     turns, rewards, keys = credit.turns, credit.rewards, credit.keys
+    own = [dist.owns(e // cfg.rollout.n) for e, ep in enumerate(episodes) for _ in ep.turns]  # as `turns`
     metrics: dict[str, float] = {"step": step} | episode_metrics(episodes, policy, _name(workflow))
     keep = list(range(len(turns)))
     if cfg.algorithm.filter_zero_variance and turns:
@@ -273,11 +314,12 @@ def train_step(
     metrics["advantage/abs_mean"] = float(advantages.abs().mean()) if turns else 0.0
     # 3. collate per model and update the adapters
     if keep:
-        parts = collate_parts(policy, [turns[i] for i in keep], [float(advantages[i]) for i in keep])
+        owned = [own[i] for i in keep] if dist.active else None
+        parts = collate_parts(policy, [turns[i] for i in keep], [float(advantages[i]) for i in keep], owned)
         settings = loss_settings(cfg, policy)
         if cfg.diagnostics.grad_every and step % cfg.diagnostics.grad_every == 0:
             metrics |= role_gradients(
-                parts, settings, optimizer, cfg.train.micro_batch_size, cfg.diagnostics.grad_groups
+                parts, settings, optimizer, cfg.train.micro_batch_size, cfg.diagnostics.grad_groups, dist
             )
         generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "shuffle", step))
         # The model stays in eval mode: RL wants no dropout (the rollout had none), and train mode makes HF
@@ -290,6 +332,7 @@ def train_step(
             micro_batch_size=cfg.train.micro_batch_size,
             generator=generator,
             progress=lambda done, total: report(f"update {done}/{total} micro-batches"),
+            dist=dist,
         )
     t2 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0}
@@ -329,8 +372,11 @@ def loss_settings(cfg: Config, policy: Policy) -> LossSettings:
     )
 
 
-def collate_parts(policy: Policy, turns: Sequence[Turn], advantages: Sequence[float]) -> list[Part]:
-    """One `Part` per model: its roles' turns padded into a `TrainBatch` on the policy's device."""
+def collate_parts(
+    policy: Policy, turns: Sequence[Turn], advantages: Sequence[float], owned: Sequence[bool] | None = None
+) -> list[Part]:
+    """One `Part` per model: its roles' turns padded into a `TrainBatch` on the policy's device. `owned`
+    (data parallelism): which turns this rank computes."""
     role_names = list(policy.route_of)
     parts = []
     for name, member in policy.members.items():
@@ -346,7 +392,8 @@ def collate_parts(policy: Policy, turns: Sequence[Turn], advantages: Sequence[fl
             loss_kinds={role: policy.topology.loss_kinds(role) for role in role_names},
         ).to(policy.device)
         if any(g.model == name for g in policy.groups):  # else every adapter of the model is frozen
-            parts.append(Part.of(member.model, batch))
+            rows = None if owned is None else [k for k, i in enumerate(mine) if owned[i]]
+            parts.append(Part.of(member.model, batch, rows))
     return parts
 
 
@@ -371,8 +418,10 @@ async def rollout(
     backend: RolloutBackend,
     workflow: Workflow,
     examples: list[Example],
+    dist: Dist = SINGLE,
 ) -> list[Episode]:
-    """`rollout.n` episodes per example, all at once; episode `(i, j)` is seeded by `(seed, step, i, j)`."""
+    """`rollout.n` episodes per example, all at once; episode `(i, j)` is seeded by `(seed, step, i, j)`.
+    Under data parallelism, only the examples this rank owns (`Dist.owns`), in order."""
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -389,7 +438,8 @@ async def rollout(
             backend, main.tokenizer, route_of, sampling, seed, tool=tool, max_tool_calls=n_calls, roles=calls
         )
 
-    runs = [workflow.run(context(i, j), ex) for i, ex in enumerate(examples) for j in range(cfg.rollout.n)]
+    runs = [workflow.run(context(i, j), ex)
+            for i, ex in enumerate(examples) if dist.owns(i) for j in range(cfg.rollout.n)]  # fmt: skip
     if isinstance(backend, LockstepBackend):
         runs = [backend.episode(run) for run in runs]
     return list(await asyncio.gather(*runs))
@@ -469,6 +519,19 @@ def _backend(cfg: Config, engines: dict[str, Engine]) -> RolloutBackend:
     if len(engines) == 1:
         return EngineBackend(next(iter(engines.values())))
     return ModelRouter({name: EngineBackend(engine) for name, engine in engines.items()})
+
+
+class _NoRun:
+    """What ranks other than 0 log to: nothing (rank 0 writes the run's files)."""
+
+    def write_config(self, cfg: Config) -> None:
+        pass
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _pad_id(tokenizer) -> int:

@@ -34,6 +34,7 @@ from rolerl.algorithms.weighting import loss_shares, role_share_weights
 from rolerl.config import AlgorithmConfig
 from rolerl.models.lora import adapter_parameters, adapter_specs
 from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
+from rolerl.train.distributed import SINGLE, Dist
 from rolerl.train.optim import Optimizer
 from rolerl.train.policy import autocast, select_rows, token_logprobs
 from rolerl.types import TrainBatch
@@ -292,11 +293,14 @@ def recompute_logprobs(
     s: LossSettings,
     micro_batch_size: int,
     tick: Callable[[], None] = lambda: None,
+    rows: Sequence[int] | None = None,
 ) -> Tensor:
-    """The trainer's log-probs of every loss token before any update, `(B, T)` in TrainBatch alignment."""
+    """The trainer's log-probs of every loss token before any update, `(B, T)` in TrainBatch alignment;
+    only of `rows` (default all; the others stay 0)."""
     out = torch.zeros_like(batch.old_logp)
-    for start in range(0, batch.input_ids.shape[0], micro_batch_size):
-        rows = list(range(start, min(start + micro_batch_size, batch.input_ids.shape[0])))
+    todo = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
+    for start in range(0, len(todo), micro_batch_size):
+        rows = todo[start : start + micro_batch_size]
         mb = select_rows(batch, rows)
         with autocast(mb.input_ids.device, s.bf16):
             lp = token_logprobs(model, mb, **s.logprob_args()).logp
@@ -314,12 +318,22 @@ class Part:
     adapters: list[str]  # route index -> adapter name (the model's adapter order)
     adapter_params: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # for strict isolation
     aligned: Aligned | None = None  # set by `ppo_update`
+    # the rows this process computes (data parallelism: its own episodes'); None = every row. Normalisers
+    # and role shares always count every row.
+    owned: frozenset[int] | None = None
 
     @classmethod
-    def of(cls, model: nn.Module, batch: TrainBatch) -> Part:
+    def of(cls, model: nn.Module, batch: TrainBatch, owned: Sequence[int] | None = None) -> Part:
         """`model`'s rows; strict isolation differentiates only trainable adapters (a frozen one has none)."""
         params = {i: [p for p in ps if p.requires_grad] for i, ps in adapter_parameters(model).items()}
-        return cls(model, batch, list(adapter_specs(model)), {i: ps for i, ps in params.items() if ps})
+        mine = None if owned is None else frozenset(owned)
+        return cls(
+            model, batch, list(adapter_specs(model)), {i: ps for i, ps in params.items() if ps}, owned=mine
+        )
+
+    def mine(self, rows: Sequence[int]) -> list[int]:
+        """The positions in `rows` (row indices of this part) of the rows this process computes."""
+        return [j for j, r in enumerate(rows) if self.owned is None or r in self.owned]
 
 
 @dataclass
@@ -356,9 +370,12 @@ def ppo_update(
     micro_batch_size: int,
     generator: torch.Generator,
     progress: Callable[[int, int], None] | None = None,
+    dist: Dist = SINGLE,
 ) -> dict[str, float]:
     """PPO epochs over the step's rows (one `Part` per model); each mini-batch is one optimizer step of the
-    adapters it touched, or (`schedule.merged`) each adapter takes one step per epoch.
+    adapters it touched, or (`schedule.merged`) each adapter takes one step per epoch. Under data
+    parallelism (`dist`) each rank computes its parts' `owned` rows, gradients are summed over ranks before
+    each step and the metrics are merged over ranks.
 
     Rows of all parts are shuffled together; a mini-batch's normaliser (`AggNorm`) and role shares are
     counted over all its rows. `old_logp: recompute` (or TIS, or several mini-batches) runs one no-grad
@@ -374,9 +391,10 @@ def ppo_update(
     plan = [schedule.mini_batches_of(torch.arange(offsets[-1]), roles)]  # epoch 0 shape, for the count
     recompute = alg.old_logp == "recompute" or alg.tis_cap is not None or len(plan[0]) > 1
     total_mb = schedule.ppo_epochs * sum(
-        math.ceil(len(_local(rows, offsets, i)) / micro_batch_size)
-        for rows in plan[0] for i in range(len(parts)) if len(_local(rows, offsets, i))
-    ) + (sum(math.ceil(p.batch.input_ids.shape[0] / micro_batch_size) for p in parts) if recompute else 0)  # fmt: skip
+        math.ceil(len(part.mine(_local(rows, offsets, i))) / micro_batch_size)
+        for rows in plan[0] for i, part in enumerate(parts)
+    ) + (sum(math.ceil(len(p.mine(range(p.batch.input_ids.shape[0]))) / micro_batch_size) for p in parts)
+         if recompute else 0)  # fmt: skip
     done = 0
 
     def tick() -> None:
@@ -387,9 +405,13 @@ def ppo_update(
 
     mismatch = Sums()
     for part in parts:
-        trainer = recompute_logprobs(part.model, part.batch, s, micro_batch_size, tick) if recompute else None
-        if trainer is not None:
-            mismatch.add(0.0, _mismatch(trainer, part.batch.old_logp, part.batch.loss_mask, alg.tis_cap))
+        own = part.mine(range(part.batch.input_ids.shape[0]))
+        trainer = (
+            recompute_logprobs(part.model, part.batch, s, micro_batch_size, tick, own) if recompute else None
+        )
+        if trainer is not None and own:
+            b = part.batch
+            mismatch.add(0.0, _mismatch(trainer[own], b.old_logp[own], b.loss_mask[own], alg.tis_cap))
         part.aligned = Aligned(
             old_logp=trainer if alg.old_logp == "recompute" else part.batch.old_logp,
             is_weights=tis_weights(trainer, part.batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
@@ -409,9 +431,11 @@ def ppo_update(
             losses.append(loss)
             sums.merge(mb_sums)
             if not schedule.merged:
+                dist.reduce_gradients(optimizer.params)
                 norms.append(optimizer.clip())
                 optimizer.step()
         if schedule.merged:  # each adapter's mean over the mini-batches that touched it
+            dist.reduce_gradients(optimizer.params)
             for group in optimizer.groups:
                 for p in group.params.values():
                     if p.grad is not None and touched[group.name] > 1:
@@ -419,6 +443,9 @@ def ppo_update(
             norms.append(optimizer.clip())
             optimizer.step()
             touched.clear()
+    if dist.active:  # every rank's sums, merged in rank order; the losses summed over ranks
+        mismatch, sums = (_merged(s_) for s_ in zip(*dist.gather((mismatch, sums)), strict=True))
+        losses = dist.sum(losses)
     metrics = mismatch.result() | sums.result(len(losses))
     metrics["loss/total"] = sum(losses) / max(len(losses), 1)
     metrics["grad_norm"] = sum(n["global"] for n in norms) / max(len(norms), 1)
@@ -429,6 +456,13 @@ def ppo_update(
             metrics[f"adapter/{group.name}/grad_norm"] = sum(mine) / len(mine)
         metrics[f"adapter/{group.name}/steps"] = float(len(mine))
     return metrics
+
+
+def _merged(parts: Sequence[Sums]) -> Sums:
+    out = Sums()
+    for part in parts:
+        out.merge(part)
+    return out
 
 
 def _local(rows: Tensor, offsets: Sequence[int], i: int) -> list[int]:
@@ -457,6 +491,14 @@ def _mini_batch(
     _share_roles([sub for _, _, sub in subs], s)
     loss, sums, hit = 0.0, Sums(), set()
     for part, local, sub in subs:
+        live = sub.loss_mask.sum(-1) > 0  # (b,)
+        used = sub.routes[live][sub.attention_mask[live] > 0].unique().tolist()
+        hit |= {part.adapters[a] for a in used if a >= 0}  # over every rank's rows: the same on each
+        mine = part.mine(local)
+        if not mine:
+            continue
+        if len(mine) < len(local):  # data parallelism: this rank's rows, weighted and normalised as above
+            sub, local = select_rows(sub, mine), [local[j] for j in mine]
         width = sub.input_ids.shape[1]
         ps = dataclasses.replace(s, adapter_params=part.adapter_params)
         part_loss, part_sums, logp = accumulate_gradients(
@@ -466,9 +508,6 @@ def _mini_batch(
         sums.merge(part_sums)
         if measure:
             sums.add(0.0, _mismatch(logp, sub.old_logp, sub.loss_mask, None))
-        live = sub.loss_mask.sum(-1) > 0  # (b,)
-        used = sub.routes[live][sub.attention_mask[live] > 0].unique().tolist()
-        hit |= {part.adapters[a] for a in used if a >= 0}
     for name, share in _role_shares(subs, s).items():
         sums.add(0.0, {f"role/{name}/loss_share": Mean(share, 1.0)})
     return loss, sums, hit

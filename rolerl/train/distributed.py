@@ -1,0 +1,149 @@
+"""Data parallelism on torch.distributed: `torchrun --nproc_per_node N -m rolerl train CONFIG.yaml`.
+
+Each rank rolls out the episodes of its tasks (task i belongs to rank `i % world`), with the global
+`(task, sample)` seeds, so 1 or N ranks sample the same tokens. The episodes are then gathered on every rank
+(token ids and rewards, small next to the model): rewards, advantage groups, filters and episode metrics
+are computed over the whole step exactly as one process would. The update runs over the global plan of
+mini-batches: every rank collates the global batch and counts each mini-batch's loss normalisers and role
+shares over all of its rows, but runs forward and backward only on the rows of its own episodes; the
+adapter gradients are then summed over ranks by hand (the trainer's forward bypasses `model.forward`, which
+DDP's wrapper expects; only adapters train), with a gradient that no rank produced left `None` (AdamW then
+skips the parameter, as in one process), and every rank takes the same optimizer step. Metric sums are
+merged over ranks; rank 0 writes checkpoints and logs. Without torchrun (no `WORLD_SIZE`) this is one
+process and every collective here is the identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as torch_dist
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the job: `rank` of `world` (1 = no torch.distributed)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def owner(self, task: int) -> int:
+        """The rank that rolls out task `task` (its index in the step's tasks), all its samples."""
+        return task % self.world
+
+    def owns(self, task: int) -> bool:
+        return self.owner(task) == self.rank
+
+    def gather(self, obj: T) -> list[T]:
+        """`obj` of every rank, in rank order (pickled; for small things: episodes, metric sums)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch_dist.all_gather_object(out, obj)
+        return out
+
+    def interleave(self, mine: Sequence[T], n_tasks: int, per_task: int) -> list[T]:
+        """The global list, task by task, of the `per_task` items each rank produced for each of its
+        tasks (in task order): what one process would have produced."""
+        if not self.active:
+            return list(mine)
+        lists = [iter(items) for items in self.gather(list(mine))]
+        return [next(lists[self.owner(i)]) for i in range(n_tasks) for _ in range(per_task)]
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over ranks (float64 on the CPU: exact for counts, enough for losses)."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
+        torch_dist.all_reduce(t)
+        return t.cpu().tolist()
+
+    def reduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum `.grad` over ranks in one all-reduce. A parameter whose gradient is `None` on every rank
+        stays `None` (the optimizer skips it: an adapter no token reached); one that got a gradient on
+        some rank gets the sum (zeros standing in where a rank had none)."""
+        if not self.active:
+            return
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            return
+        device = params[0].device
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        has = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)
+        flat = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to(dtype)
+            for p in params
+        ]
+        buffer = torch.cat([has, *flat])
+        torch_dist.all_reduce(buffer)
+        offset = len(params)
+        for i, p in enumerate(params):
+            n = p.numel()
+            if float(buffer[i]) > 0:
+                g = buffer[offset : offset + n].view_as(p).to(p.dtype)
+                p.grad = g.clone()
+            offset += n
+
+    def broadcast(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Rank 0's values of `params` on every rank (they start, and must stay, identical)."""
+        if not self.active:
+            return
+        with torch.no_grad():
+            for p in params:
+                torch_dist.broadcast(p.data, src=0)
+
+    def barrier(self) -> None:
+        if self.active:
+            torch_dist.barrier()
+
+    def _device(self) -> torch.device:
+        if self.active and torch_dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+SINGLE = Dist()
+
+
+def init_from_env(timeout_s: float = 1800.0) -> Dist:
+    """Join the torchrun job this process belongs to (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, and the
+    rendezvous torchrun sets up), or `SINGLE` outside torchrun. NCCL with CUDA (each rank on GPU
+    `LOCAL_RANK`), gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE
+    if not torch_dist.is_available():
+        raise RuntimeError(f"WORLD_SIZE={world} but this torch build has no torch.distributed")
+    if not torch_dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch_dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    dist = Dist(torch_dist.get_rank(), torch_dist.get_world_size())
+    if dist.main:
+        log.info("torch.distributed: %d ranks, backend %s", dist.world, torch_dist.get_backend())
+    return dist
+
+
+def close(dist: Dist) -> None:
+    """Leave the process group (the end of a run); nothing outside torchrun."""
+    if dist.active and torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
