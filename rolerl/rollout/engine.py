@@ -121,7 +121,9 @@ class Engine:
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.bytes = token_bytes(tokenizer)
+        # every id the head can produce: a model's vocabulary is often padded past its tokenizer's (Qwen3:
+        # 151,936 rows, 151,669 tokens); an id with no token is b"" (as `tokenizer.decode` skips it)
+        self.bytes = token_bytes(tokenizer, getattr(model.config, "vocab_size", None))
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_ids = frozenset(

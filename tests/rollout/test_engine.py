@@ -73,6 +73,26 @@ def test_greedy_equals_peft_generate_with_an_adapter_on_every_token(tiny):
         assert set(turn.routes) == {0}
 
 
+def test_ids_past_the_tokenizer_in_a_padded_vocabulary():
+    """Qwen3's head has 151,936 rows for 151,669 tokens: a sampled id with no token must not break the
+    row's byte bookkeeping (it decodes to nothing, as `tokenizer.decode` skips it). Here the tiny model's
+    head has 512 rows for the byte tokenizer's 259 tokens, and greedy decoding lands past 259."""
+    from transformers import AutoModelForCausalLM
+
+    from rolerl.models.tiny import byte_tokenizer, tiny_config
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab_size=512)).eval()
+    with torch.no_grad():  # large padded rows: greedy picks ids that have no token
+        model.get_output_embeddings().weight[len(tok) :] *= 20
+    engine = Engine(model, tok, max_batch=2)
+    (turn,) = engine.generate([GenerationRequest(prompt_ids(tok, "hi"), SamplingParams(greedy=True, max_new_tokens=8,
+                                                                                         ignore_eos=True))])  # fmt: skip
+    assert any(i >= len(tok) for i in turn.completion_ids) and len(turn.completion_ids) == 8
+    assert turn.completion_ids == hf_greedy(model, prompt_ids(tok, "hi"), 8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("adapter", [False, True])
 def test_greedy_equals_hf_on_default_model(default_model_cpu, adapter):
