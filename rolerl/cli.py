@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -360,7 +361,8 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     """RL-train the adapters (docs/TRAINING.md): writes config.yaml, metrics.jsonl, TensorBoard logs and
     checkpoints/step_N/ (PEFT adapters + optimizer and RNG state) into run.dir. Ctrl-C checkpoints the
-    last completed step and says how to continue."""
+    last completed step and says how to continue. Several GPUs or nodes: `torchrun --nproc_per_node N -m
+    rolerl train CONFIG.yaml`, one data-parallel rank per process (docs/DISTRIBUTED.md)."""
     from pathlib import Path
 
     from rolerl.config import load_config
@@ -373,6 +375,8 @@ def _run_train(args: argparse.Namespace) -> int:
     overrides = [*overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
     cfg = load_config(path, overrides)
     run_dir = train(cfg, resume=args.resume is not None, overwrite=args.overwrite)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports the run
+        return 0
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1]) if lines else {}
     keys = ("step", "reward/mean", "accuracy", "loss/total", "entropy", "logp_mismatch/max_abs")

@@ -35,6 +35,7 @@ class Dist:
 
     rank: int = 0
     world: int = 1
+    joined: bool = False  # this process group was created by `init_from_env` (so `close` ends it)
 
     @property
     def main(self) -> bool:
@@ -122,28 +123,32 @@ class Dist:
 SINGLE = Dist()
 
 
-def init_from_env(timeout_s: float = 1800.0) -> Dist:
+def init_from_env(cuda: bool | None = None, timeout_s: float = 1800.0) -> Dist:
     """Join the torchrun job this process belongs to (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, and the
-    rendezvous torchrun sets up), or `SINGLE` outside torchrun. NCCL with CUDA (each rank on GPU
-    `LOCAL_RANK`), gloo on CPU."""
+    rendezvous torchrun sets up), or `SINGLE` outside torchrun. NCCL when the run is on CUDA (`cuda`;
+    default: whether torch sees a GPU), each rank on GPU `LOCAL_RANK`; gloo on CPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return SINGLE
     if not torch_dist.is_available():
         raise RuntimeError(f"WORLD_SIZE={world} but this torch build has no torch.distributed")
     if not torch_dist.is_initialized():
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() if cuda is None else cuda
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch_dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    dist = Dist(torch_dist.get_rank(), torch_dist.get_world_size())
+        joined = True
+    else:  # the caller's own process group (a script that set it up itself): used, never destroyed
+        joined = False
+    dist = Dist(torch_dist.get_rank(), torch_dist.get_world_size(), joined)
     if dist.main:
         log.info("torch.distributed: %d ranks, backend %s", dist.world, torch_dist.get_backend())
     return dist
 
 
-def close(dist: Dist) -> None:
-    """Leave the process group (the end of a run); nothing outside torchrun."""
-    if dist.active and torch_dist.is_initialized():
+def close(dist: Dist, ok: bool = True) -> None:
+    """Leave the process group `init_from_env` created, once every rank is done (`ok`). After an error no
+    rank waits for the others (a failed rank never arrives; torchrun stops the job)."""
+    if dist.joined and ok and torch_dist.is_initialized():
         torch_dist.barrier()
         torch_dist.destroy_process_group()

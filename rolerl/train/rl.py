@@ -49,7 +49,7 @@ from rolerl.train.distributed import SINGLE, Dist, init_from_env
 from rolerl.train.distributed import close as close_dist
 from rolerl.train.monitor import ToolHealth, episode_metrics, sampled_tokens, ticker
 from rolerl.train.optim import Optimizer, lr_factor
-from rolerl.train.policy import Policy, build_policy
+from rolerl.train.policy import Policy, build_policy, resolve_device
 from rolerl.train.update import LossSettings, Part, Schedule, ppo_update
 from rolerl.types import Episode, Turn, collate
 from rolerl.workflows import Context, RoleCalls, Workflow, derive_seed, load_workflow
@@ -83,11 +83,14 @@ def train(
     """
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other: continue the run, or replace it")
-    dist = init_from_env()
+    dist = init_from_env(cuda=resolve_device(cfg.model.device).type == "cuda")
+    ok = False
     try:
-        return _train(cfg, dist, task, workflow, policy, resume, overwrite, stop_after)
+        out = _train(cfg, dist, task, workflow, policy, resume, overwrite, stop_after)
+        ok = True
+        return out
     finally:
-        close_dist(dist)
+        close_dist(dist, ok)
 
 
 def _train(
