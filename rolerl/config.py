@@ -143,6 +143,16 @@ class TaskConfig(Section):
         )  # fmt: skip
 
 
+VLLM_OPTIONS = (
+    "gpu_memory_utilization",
+    "max_loras",
+    "max_lora_rank",
+    "logprobs",
+    "enforce_eager",
+    "max_num_seqs",
+)
+
+
 @dataclass
 class RolloutConfig(Section):
     _name = "rollout"
@@ -160,8 +170,12 @@ class RolloutConfig(Section):
     tool_options: dict[str, bool | int | float | str] = field(default_factory=dict)
     max_tool_calls: int = 4  # per model call
     # lockstep: the engine steps only when every episode waits on it (deterministic, exact resume);
-    # threaded: EngineBackend's free-running engine thread (batch composition depends on timing)
-    backend: Literal["lockstep", "threaded"] = "lockstep"
+    # threaded: EngineBackend's free-running engine thread (batch composition depends on timing);
+    # vllm: vLLM's offline engine on the GPU, adapters synced after each step (docs/ROLLOUT.md)
+    backend: Literal["lockstep", "threaded", "vllm"] = "lockstep"
+    # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
+    # logprobs (processed | recompute), enforce_eager, max_num_seqs
+    vllm: dict[str, bool | int | float | str] = field(default_factory=dict)
 
     def check(self) -> None:
         self.require(self.n >= 1, "n", "an integer >= 1")
@@ -171,6 +185,12 @@ class RolloutConfig(Section):
         self.require(self.max_batch >= 1, "max_batch", "an integer >= 1")
         self.require(self.max_len is None or self.max_len >= 2, "max_len", "null or an integer >= 2")
         self.require(self.max_tool_calls >= 0, "max_tool_calls", "an integer >= 0")
+        unknown = sorted(set(self.vllm) - set(VLLM_OPTIONS))
+        self.require(not unknown, "vllm", f"a mapping with keys among {list(VLLM_OPTIONS)} (got {unknown})")
+        self.require(
+            self.vllm.get("logprobs", "processed") in ("processed", "recompute"),
+            "vllm", "logprobs 'processed' or 'recompute'",
+        )  # fmt: skip
 
 
 @dataclass

@@ -24,71 +24,33 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 
 from rolerl.models.lora import routes as routes_ctx
-from rolerl.roles import (
-    PROMPT,
-    TOOL_CALL,
-    TOOL_OUTPUT,
-    Tags,
-    TagStateMachine,
-    encode_exact,
-    format_tool_output,
-    shift,
-    token_bytes,
-)
+from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch
-from rolerl.rollout.sampling import SamplingParams, sample
-from rolerl.tools.base import Tool, ToolResult
-from rolerl.types import ToolCall, Turn
+from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
+from rolerl.rollout.sampling import sample
+from rolerl.tools.base import Tool
+from rolerl.types import Turn
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class GenerationRequest:
-    """One model call: a prompt, how to sample, and which adapter each kind of token goes to."""
+class _Row(Recorder):
+    """A `Recorder` in a cache slot: what it feeds next, with which routes, and its running tool."""
 
-    prompt_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    role: str = "policy"
-    route_of: Mapping[str, int] | None = None  # kind -> adapter index (topology.route_of); None = base only
-    tags: Tags = field(default_factory=Tags)
-    tool: str | None = None  # the engine tool a closed tool tag calls; None = tags are plain text
-    max_tool_calls: int = 4  # per turn; one more call ends the turn with finish_reason "tool_limit"
-    tool_output_tokens: int = 256  # budget of spliced output per call (the tool's text is cut to fit)
-    max_total_tokens: int | None = None  # prompt + completion, spliced output included; None = max_len
-    model: str = "main"  # the model (engine) that serves the call, for backends with several
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-
-
-@dataclass
-class _Row:
-    req: GenerationRequest
-    handle: int
-    sm: TagStateMachine
-    ids: list[int]
-    kinds: list[str]  # one per position (prompt positions are "prompt")
-    logprobs: list[float] = field(default_factory=list)  # one per completion position
-    fed_routes: list[int] = field(default_factory=list)  # the route each fed position was computed with
-    pending: list[int] = field(default_factory=list)
-    pending_routes: list[int] = field(default_factory=list)
-    cache_len: int = 0
-    sampled: int = 0
-    tail: bytes = b""  # recent completion bytes, for stop strings
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    future: Future | None = None
-    call_started: float = 0.0
-    finish: str | None = None
-
-    def route(self, kind: str) -> int:
-        return -1 if self.req.route_of is None else int(self.req.route_of.get(kind, -1))
+    def __init__(self, req: GenerationRequest, handle: int, engine: Engine) -> None:
+        super().__init__(req, engine.bytes, engine.eos_ids, engine.max_len)
+        self.handle = handle
+        self.fed_routes: list[int] = []  # the route each fed position was computed with
+        # prompt position p predicts p+1 (a prompt token, or the first sampled token for the last one)
+        self.pending: list[int] = list(req.prompt_ids)
+        self.pending_routes = [self.route(PROMPT)] * (len(self.pending) - 1) + [self.next_route()]
+        self.cache_len = 0
+        self.future: Future | None = None
+        self.call_started = 0.0
 
 
 class Engine:
@@ -168,12 +130,7 @@ class Engine:
                 _model_max_len(self.model),
             )  # fmt: skip
         handle, self._next_handle = self._next_handle, self._next_handle + 1
-        sm = TagStateMachine(request.tags, self.bytes)
-        row = _Row(request, handle, sm, list(request.prompt_ids), [PROMPT] * len(request.prompt_ids))
-        row.pending = list(request.prompt_ids)
-        # prompt position p predicts p+1 (a prompt token, or the first sampled token for the last one)
-        row.pending_routes = [row.route(PROMPT)] * (len(row.pending) - 1) + [row.route(sm.kind_of_next())]
-        self.waiting.append(row)
+        self.waiting.append(_Row(request, handle, self))
         return handle
 
     @property
@@ -216,13 +173,9 @@ class Engine:
     # ---- internals --------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        budget = (
-            self.max_tokens - sum(_max_length(r.req, self.max_len) for r in self.active)
-            if self.max_tokens
-            else 0
-        )
+        budget = self.max_tokens - sum(r.max_length for r in self.active) if self.max_tokens else 0
         while self.waiting and len(self.active) < self.max_batch:
-            need = _max_length(self.waiting[0].req, self.max_len)
+            need = self.waiting[0].max_length
             if self.max_tokens and self.active and need > budget:
                 break  # the token budget is full; an empty batch always admits one request
             budget -= need
@@ -315,66 +268,27 @@ class Engine:
         return routes_ctx(self.model, routes.to(self.device))
 
     def _accept(self, row: _Row, token: int, logp: float) -> None:
-        """Record one sampled token, advance the tag state machine, and decide what the row does next."""
-        req, sp = row.req, row.req.sampling
-        row.kinds.append(row.sm.kind_of_next())
-        row.ids.append(token)
-        row.logprobs.append(logp)
-        row.sampled += 1
-        events = row.sm.feed(token)
-        row.tail = (row.tail + self.bytes[token])[-256:]
-        if token in self.eos_ids and not sp.ignore_eos or token in sp.stop_token_ids:
-            row.finish = "eos"
-        elif any(s.encode() in row.tail for s in sp.stop):
-            row.finish = "stop"
-        elif row.sampled >= sp.max_new_tokens or len(row.ids) >= _max_length(req, self.max_len):
-            row.finish = "length"
+        """Record one sampled token and decide what the row does next: feed it, or wait on its tool."""
+        body = row.accept(token, logp)
         if row.finish:
             return
-        call = next((e for e in events if e.kind == TOOL_CALL), None)
-        if call is not None and req.tool is not None:
-            if len(row.tool_calls) >= req.max_tool_calls:
-                row.finish = "tool_limit"
-                return
-            row.tool_calls.append(ToolCall(name=req.tool, args=call.body))
+        if body is not None:
             row.call_started = time.perf_counter()
-            row.future = self.pool.submit(_run_tool, self.tools[req.tool], call.body)
+            row.future = self.pool.submit(run_tool, self.tools[row.req.tool], body)
             row.pending = [token]
             return
-        row.pending, row.pending_routes = [token], [row.route(row.sm.kind_of_next())]
+        row.pending, row.pending_routes = [token], [row.next_route()]
 
     def _splice_tool_output(self, row: _Row) -> None:
         result, failed = row.future.result()
         row.future = None
         self.stats["tool_calls"] += 1
-        call = row.tool_calls[-1]
-        text = result.text()
-        body_ids = encode_exact(self.tokenizer, text)
-        if len(body_ids) > row.req.tool_output_tokens:  # cut at a token boundary, then say so
-            head = b"".join(self.bytes[i] for i in body_ids[: row.req.tool_output_tokens])
-            text = head.decode("utf-8", "ignore") + "\n[output truncated]\n"
-        forced = encode_exact(self.tokenizer, format_tool_output(row.req.tags, text))
-        room = _max_length(row.req, self.max_len) - len(row.ids) - 1
-        forced = forced[: max(room, 0)]
-        call.output, call.error, call.tool_failed = text, not result.ok, failed or result.tool_failed
-        call.timed_out, call.wall_s = result.timed_out, time.perf_counter() - row.call_started
-        call.start, call.end = (
-            len(row.ids) - len(row.req.prompt_ids),
-            len(row.ids) - len(row.req.prompt_ids) + len(forced),
-        )
-        if not forced:
-            row.finish = "length"
-            return
-        row.sm.feed_forced(forced)
-        row.ids.extend(forced)
-        row.kinds.extend([TOOL_OUTPUT] * len(forced))
-        row.logprobs.extend([math.nan] * len(forced))
-        # [last sampled, forced...]: all predict tool output, except the last forced, which predicts the
-        # model's next token
-        routes = [row.route(TOOL_OUTPUT)] * len(forced) + [row.route(row.sm.kind_of_next())]
-        row.pending, row.pending_routes = [row.pending[0], *forced], routes
-        if len(row.ids) >= _max_length(row.req, self.max_len):
-            row.finish = "length"
+        forced = row.splice(result, failed, self.tokenizer, time.perf_counter() - row.call_started)
+        if forced:
+            # [last sampled, forced...]: all predict tool output, except the last forced, which predicts the
+            # model's next token
+            routes = [row.route(TOOL_OUTPUT)] * len(forced) + [row.next_route()]
+            row.pending, row.pending_routes = [row.pending[0], *forced], routes
 
     def _retire(self) -> list[tuple[int, Turn]]:
         out = []
@@ -384,7 +298,7 @@ class Engine:
             if not row.finish:
                 i += 1
                 continue
-            out.append((row.handle, self._turn(row)))
+            out.append((row.handle, row.turn(row.fed_routes)))
             last = len(self.active) - 1
             if i != last:  # keep slots 0..n-1 dense: the last row moves into the freed slot
                 moved = self.active[last]
@@ -393,59 +307,7 @@ class Engine:
             self.active.pop()
         return out
 
-    def _turn(self, row: _Row) -> Turn:
-        routes = shift(row.kinds, _RouteOf(row))
-        fed = row.fed_routes
-        if routes[: len(fed)] != fed:
-            bad = next(p for p, (a, b) in enumerate(zip(routes, fed, strict=False)) if a != b)
-            raise AssertionError(f"engine fed route {fed[bad]} at position {bad}, shift() says {routes[bad]}")
-        n = len(row.req.prompt_ids)
-        return Turn(
-            role=row.req.role,
-            prompt_ids=list(row.req.prompt_ids),
-            completion_ids=row.ids[n:],
-            kinds=row.kinds[n:],
-            routes=routes,
-            logprobs=row.logprobs,
-            finish_reason=row.finish,
-            tool_calls=row.tool_calls,
-        )
-
-
-class _RouteOf(Mapping):
-    """`row.route` as the mapping `shift` expects (kinds the topology does not name route to -1)."""
-
-    def __init__(self, row: _Row) -> None:
-        self.row = row
-
-    def __getitem__(self, kind: str) -> int:
-        return self.row.route(kind)
-
-    def __iter__(self):
-        return iter(self.row.req.route_of or {})
-
-    def __len__(self) -> int:
-        return len(self.row.req.route_of or {})
-
-
-def _max_length(req: GenerationRequest, max_len: int) -> int:
-    """The most positions a request can occupy, to size the cache (never more than max_len)."""
-    tools = req.max_tool_calls * (req.tool_output_tokens + 32) if req.tool else 0
-    limit = min(req.max_total_tokens or max_len, max_len)
-    return min(limit, len(req.prompt_ids) + req.sampling.max_new_tokens + tools)
-
 
 def _model_max_len(model) -> int:
     """The positions the model was trained for (8192 on SmolLM2), or 4096 when its config does not say."""
     return int(getattr(getattr(model, "config", None), "max_position_embeddings", None) or 4096)
-
-
-def _run_tool(tool: Tool, args: str) -> tuple[ToolResult, bool]:
-    """`(result, the tool itself failed)`. A tool error never crashes the batch: it becomes text the model
-    sees, and `ToolCall.tool_failed` lets the trainer tell it from the model's own failing code."""
-    if not args.strip():
-        return ToolResult(stderr="error: empty tool call\n", exit_code=1), False
-    try:
-        return tool.run(args), False
-    except Exception as e:  # noqa: BLE001 - any tool failure is the model's observation, not ours
-        return ToolResult(stderr=f"error: {type(e).__name__}: {e}\n", exit_code=1), True

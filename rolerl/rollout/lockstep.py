@@ -27,7 +27,8 @@ import itertools
 from collections.abc import Awaitable, Mapping
 from typing import TypeVar
 
-from rolerl.rollout.engine import Engine, GenerationRequest
+from rolerl.rollout.engine import Engine
+from rolerl.rollout.recorder import GenerationRequest
 from rolerl.types import Turn
 
 T = TypeVar("T")
@@ -79,6 +80,10 @@ class LockstepBackend:
         self._ensure_pump()
         self._changed.set()
         return await future
+
+    def sync(self, policy) -> dict[str, float]:
+        """The engines run the trainer's own model: nothing to sync."""
+        return {}
 
     def close(self) -> None:
         if self._pump is not None:

@@ -5,7 +5,10 @@ time, and many run at once. The scheduler feeds all their requests to one engine
 batching mixes roles and adapters in one batch. The engine steps in a background thread (torch releases
 the GIL inside its kernels), so the event loop stays free to run tools and workflow logic.
 
-`RolloutBackend` is the Protocol the vLLM backend implements too.
+`RolloutBackend` is the Protocol every backend implements (the built-in engine's, the lockstep one, vLLM's):
+`generate` one call, run an episode's coroutine (`episode`: the lockstep backend tracks which calls
+belong to which episode; the others just await it), `sync` the policy's weights after an optimizer step
+(in-process engines read the trainer's own weights: nothing to do; vLLM loads new adapter versions).
 """
 
 from __future__ import annotations
@@ -13,20 +16,38 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from rolerl.rollout.engine import Engine, GenerationRequest
+from rolerl.rollout.engine import Engine
+from rolerl.rollout.recorder import GenerationRequest
 from rolerl.types import Turn
+
+T = TypeVar("T")
 
 
 @runtime_checkable
 class RolloutBackend(Protocol):
     async def generate(self, request: GenerationRequest) -> Turn: ...
 
+    async def episode(self, coro: Awaitable[T]) -> T: ...
+
+    def sync(self, policy: Any) -> dict[str, float]: ...
+
     def close(self) -> None: ...
 
 
-class EngineBackend:
+class InProcess:
+    """What a backend over the trainer's own model does for `episode` and `sync`: nothing."""
+
+    async def episode(self, coro: Awaitable[T]) -> T:
+        return await coro
+
+    def sync(self, policy: Any) -> dict[str, float]:
+        return {}
+
+
+class EngineBackend(InProcess):
     """A `RolloutBackend` over the local `Engine`: requests from any coroutine, batched together."""
 
     def __init__(self, engine: Engine) -> None:
@@ -113,6 +134,15 @@ class ModelRouter:
         if backend is None:
             raise ValueError(f"no engine serves model {request.model!r}; models: {list(self.backends)}")
         return await backend.generate(request)
+
+    async def episode(self, coro: Awaitable[T]) -> T:
+        return await coro
+
+    def sync(self, policy: Any) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for backend in self.backends.values():
+            out |= backend.sync(policy)
+        return out
 
     def close(self) -> None:
         for backend in self.backends.values():

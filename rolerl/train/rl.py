@@ -130,7 +130,8 @@ def _train(
     ) if dist.main else _NoRun()  # fmt: skip
     run.write_config(cfg)
     health = ToolHealth()
-    backend = _backend(cfg, engines)
+    backend = _backend(cfg, engines, policy)
+    backend.sync(policy)  # a backend with its own copy of the weights (vLLM) serves the current adapters
     last = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
     done = Completed(start, saved=start)
     undo = StepUndo(params, optimizer)
@@ -337,6 +338,7 @@ def train_step(
             progress=lambda done, total: report(f"update {done}/{total} micro-batches"),
             dist=dist,
         )
+        metrics |= backend.sync(policy)  # the next rollout samples from the updated adapters
     t2 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0}
     return metrics
@@ -441,10 +443,8 @@ async def rollout(
             backend, main.tokenizer, route_of, sampling, seed, tool=tool, max_tool_calls=n_calls, roles=calls
         )
 
-    runs = [workflow.run(context(i, j), ex)
+    runs = [backend.episode(workflow.run(context(i, j), ex))
             for i, ex in enumerate(examples) if dist.owns(i) for j in range(cfg.rollout.n)]  # fmt: skip
-    if isinstance(backend, LockstepBackend):
-        runs = [backend.episode(run) for run in runs]
     return list(await asyncio.gather(*runs))
 
 
@@ -516,7 +516,11 @@ def build_engines(
             for name, m in policy.members.items()}  # fmt: skip
 
 
-def _backend(cfg: Config, engines: dict[str, Engine]) -> RolloutBackend:
+def _backend(cfg: Config, engines: dict[str, Engine], policy: Policy) -> RolloutBackend:
+    if cfg.rollout.backend == "vllm":
+        from rolerl.rollout.vllm_backend import build_vllm_backend
+
+        return build_vllm_backend(cfg, policy, {name: e.tools for name, e in engines.items()})
     if cfg.rollout.backend == "lockstep":
         return LockstepBackend(engines)
     if len(engines) == 1:

@@ -411,7 +411,11 @@ def ppo_update(
         )
         if trainer is not None and own:
             b = part.batch
-            mismatch.add(0.0, _mismatch(trainer[own], b.old_logp[own], b.loss_mask[own], alg.tis_cap))
+            rows = select_rows(b, own)
+            width = rows.input_ids.shape[1]
+            mismatch.add(
+                0.0, _mismatch(trainer[own, :width], rows.old_logp, rows.loss_mask, alg.tis_cap, rows)
+            )
         part.aligned = Aligned(
             old_logp=trainer if alg.old_logp == "recompute" else part.batch.old_logp,
             is_weights=tis_weights(trainer, part.batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
@@ -507,7 +511,7 @@ def _mini_batch(
         loss += part_loss
         sums.merge(part_sums)
         if measure:
-            sums.add(0.0, _mismatch(logp, sub.old_logp, sub.loss_mask, None))
+            sums.add(0.0, _mismatch(logp, sub.old_logp, sub.loss_mask, None, sub))
     for name, share in _role_shares(subs, s).items():
         sums.add(0.0, {f"role/{name}/loss_share": Mean(share, 1.0)})
     return loss, sums, hit
@@ -541,8 +545,12 @@ def _role_shares(subs, s: LossSettings) -> dict[str, float]:
     return {names[r]: v for r, v in loss_shares(lengths, role_ids, weights, s.algorithm.loss_agg).items()}
 
 
-def _mismatch(trainer: Tensor, rollout: Tensor, mask: Tensor, cap: float | None) -> dict[str, float | Mean]:
-    """The rollout/trainer log-prob mismatch of one batch, as `Sums` entries (means over its loss tokens)."""
+def _mismatch(
+    trainer: Tensor, rollout: Tensor, mask: Tensor, cap: float | None, batch: TrainBatch | None = None
+) -> dict[str, float | Mean]:
+    """The rollout/trainer log-prob mismatch of one batch, as `Sums` entries (means over its loss tokens);
+    with `batch` (the rows of these tensors) also the mean |delta| per role and per kind of token, where a
+    backend's approximation shows (vLLM's one adapter per segment under a token-routed topology)."""
     stats = logp_mismatch(trainer, rollout, mask, cap=cap if cap is not None else 2.0)
     n = float(mask.bool().sum())
     out: dict[str, float | Mean] = {
@@ -550,4 +558,17 @@ def _mismatch(trainer: Tensor, rollout: Tensor, mask: Tensor, cap: float | None)
     }
     if cap is None:  # TIS off: its statistics describe nothing that was applied
         out = {k: v for k, v in out.items() if not k.startswith("logp_mismatch/tis")}
+    if batch is None:
+        return out
+    live = mask.bool()
+    delta = torch.where(live, (trainer.float() - rollout.float()).abs(), 0.0)  # (B, T); NaN outside the mask
+    kinds = torch.full_like(batch.kind_ids, -1)
+    kinds[:, :-1] = batch.kind_ids[:, 1:]  # column p is about token p + 1
+    groups = {f"role/{name}": batch.role_index[:, :1] == r for r, name in enumerate(batch.role_names)}
+    groups |= {f"kind/{k}": kinds == KIND_INDEX[k] for k in KINDS if k in POLICY_KINDS}
+    for name, where in groups.items():
+        where = where & live
+        count = float(where.sum())
+        if count:
+            out[f"logp_mismatch/{name}/mean_abs"] = Mean(float(delta[where].sum()) / count, count)
     return out

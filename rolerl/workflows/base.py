@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rolerl.roles import Tags
-from rolerl.rollout.engine import GenerationRequest
+from rolerl.rollout.recorder import GenerationRequest
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.rollout.scheduler import RolloutBackend
 from rolerl.tasks.base import Example, Messages
