@@ -144,13 +144,9 @@ class TaskConfig(Section):
 
 
 VLLM_OPTIONS = (
-    "gpu_memory_utilization",
-    "max_loras",
-    "max_lora_rank",
-    "logprobs",
-    "enforce_eager",
-    "max_num_seqs",
-)
+    "gpu_memory_utilization", "max_loras", "max_lora_rank", "logprobs", "enforce_eager", "max_num_seqs",
+    "url", "served_model",
+)  # fmt: skip
 
 
 @dataclass
@@ -174,7 +170,8 @@ class RolloutConfig(Section):
     # vllm: vLLM's offline engine on the GPU, adapters synced after each step (docs/ROLLOUT.md)
     backend: Literal["lockstep", "threaded", "vllm"] = "lockstep"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
-    # logprobs (processed | recompute), enforce_eager, max_num_seqs
+    # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
+    # in this process) and served_model (its base model's name; default: the first it lists)
     vllm: dict[str, bool | int | float | str] = field(default_factory=dict)
 
     def check(self) -> None:

@@ -346,6 +346,14 @@ def _trainer_logprobs(model, ids: list[int], route: int) -> torch.Tensor:
     return torch.log_softmax(logits[:-1], -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
 
 
+def _versions_in_flight(model) -> int:
+    """vLLM's `max_loras` default: every adapter of the model twice (its current version, and the one
+    segments that started before a sync still use)."""
+    from rolerl.models.lora import adapter_specs
+
+    return max(2, 2 * len(adapter_specs(model))) if model is not None else 4
+
+
 def _check_lora_only(model) -> None:
     bad = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
     if bad:
@@ -396,7 +404,16 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
     from rolerl.rollout.scheduler import ModelRouter
 
     check_vllm_config(cfg, policy)
-    factory = llm_factory or _offline_llm
+    url = cfg.rollout.vllm.get("url")
+    if url and len(policy.members) > 1:
+        from rolerl.config import ConfigError
+
+        raise ConfigError(f"rollout.vllm.url={url!r} serves one model; models {list(policy.members)} need one "
+                          "server each, which is not supported yet: use the offline engine (no url)")  # fmt: skip
+    factory = llm_factory or (_server_llm if url else _offline_llm)
+    api = None
+    if url:
+        from rolerl.rollout.vllm_http import API as api
     backends = {}
     for name, member in policy.members.items():
         specs = adapter_specs(member.model)
@@ -409,9 +426,16 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
             tools=tools.get(name, {}), max_len=cfg.rollout.max_len or 4096,
             logprobs=str(cfg.rollout.vllm.get("logprobs", "processed")),
             vocab_size=getattr(member.model.config, "vocab_size", None),
-            eos_ids=[eos] if isinstance(eos, int) else list(eos or []), model_name=name,
+            eos_ids=[eos] if isinstance(eos, int) else list(eos or []), model_name=name, api=api,
         )  # fmt: skip
     return next(iter(backends.values())) if len(backends) == 1 else ModelRouter(backends)
+
+
+def _server_llm(spec: str, cfg, max_rank: int, model=None):
+    """A vLLM server over HTTP (`rollout.vllm.url`) serving the model `spec` names."""
+    from rolerl.rollout.vllm_http import ServerLLM
+
+    return ServerLLM(str(cfg.rollout.vllm["url"]), cfg.rollout.vllm.get("served_model"))
 
 
 def _offline_llm(spec: str, cfg, max_rank: int, model=None):
@@ -429,11 +453,10 @@ def _offline_llm(spec: str, cfg, max_rank: int, model=None):
         raise ImportError(
             "rollout.backend=vllm needs vLLM: pip install 'rolerl[vllm]' (docs/ROLLOUT.md)"
         ) from e
-    options = dict(cfg.rollout.vllm)
-    options.pop("logprobs", None)
+    options = {k: v for k, v in cfg.rollout.vllm.items() if k not in ("logprobs", "url", "served_model")}
     return LLM(
         model=str(directory), dtype=cfg.model.dtype, seed=cfg.run.seed, enable_lora=True,
         max_lora_rank=int(options.pop("max_lora_rank", max(8, 2 ** math.ceil(math.log2(max_rank))))),
-        max_loras=int(options.pop("max_loras", 4)), gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.5)),
+        max_loras=int(options.pop("max_loras", _versions_in_flight(model))), gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.5)),
         max_model_len=cfg.rollout.max_len, logprobs_mode="processed_logprobs", **options,
     )  # fmt: skip
