@@ -19,41 +19,13 @@ adapter's weights, so a new adapter version changes them and a stale one does no
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-
-@dataclass
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-
-
-@dataclass
-class TokensPrompt:
-    prompt_token_ids: list[int]
-
-
-@dataclass
-class LoRARequest:
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
+from rolerl.rollout.vllm_http import LoRARequest, SamplingParams, TokensPrompt
 
 
 @dataclass
@@ -76,6 +48,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
+# the request types: the plain ones the HTTP client sends (the same fields as vLLM's)
 API = SimpleNamespace(SamplingParams=SamplingParams, TokensPrompt=TokensPrompt, LoRARequest=LoRARequest)
 
 
