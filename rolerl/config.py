@@ -169,6 +169,10 @@ class RolloutConfig(Section):
     # threaded: EngineBackend's free-running engine thread (batch composition depends on timing);
     # vllm: vLLM's offline engine on the GPU, adapters synced after each step (docs/ROLLOUT.md)
     backend: Literal["lockstep", "threaded", "vllm"] = "lockstep"
+    # the engine's weights: model = the trainer's own; bfloat16 = a bf16 copy of the model the engine
+    # samples from (adapters copied after every step; needs algorithm.old_logp=recompute, tis_cap advised);
+    # auto = bfloat16 where bf16 is native (a GPU, or a CPU with AVX512-BF16/AMX), else model
+    dtype: Literal["model", "bfloat16", "float32", "auto"] = "model"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
     # in this process) and served_model (its base model's name; default: the first it lists)

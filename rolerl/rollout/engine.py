@@ -67,12 +67,15 @@ class Engine:
         tools: Mapping[str, Tool] | None = None,
         tool_workers: int = 8,
         sampler=sample,
+        source=None,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
         `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`;
         tests replace it with a script to drive exact token sequences (teacher forcing) through the
-        real engine."""
+        real engine. `source`: the trainer's model when `model` is a copy in another dtype (`rollout_copy`):
+        `sync()` copies its adapters in."""
         self.model, self.tokenizer = model, tokenizer
+        self.source = source
         self.sampler = sampler
         self.max_batch, self.max_len = max_batch, max_len or _model_max_len(model)
         self._warned_room = False
@@ -165,6 +168,18 @@ class Engine:
                 row.future.cancel()
         self.active.clear()
         self.waiting.clear()
+
+    def sync(self) -> dict[str, float]:
+        """Copy the trainer's adapter weights into this engine's copy of the model (cast to its dtype);
+        nothing when the engine samples from the trainer's own model."""
+        if self.source is None:
+            return {}
+        mine = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.source.named_parameters():
+                if "lora_" in name:
+                    mine[name].copy_(p)
+        return {}
 
     def close(self) -> None:
         if self.pool is not None:
@@ -311,3 +326,15 @@ class Engine:
 def _model_max_len(model) -> int:
     """The positions the model was trained for (8192 on SmolLM2), or 4096 when its config does not say."""
     return int(getattr(getattr(model, "config", None), "max_position_embeddings", None) or 4096)
+
+
+def rollout_copy(model, dtype: torch.dtype):
+    """A copy of `model` (adapters included) in `dtype`, frozen, for an engine that samples in another
+    precision than the trainer computes in (`rollout.dtype`); `Engine(copy, source=model).sync()` keeps
+    its adapters current."""
+    import copy
+
+    clone = copy.deepcopy(model).to(dtype)
+    for p in clone.parameters():
+        p.requires_grad_(False)
+    return clone.eval()

@@ -82,8 +82,11 @@ class LockstepBackend:
         return await future
 
     def sync(self, policy) -> dict[str, float]:
-        """The engines run the trainer's own model: nothing to sync."""
-        return {}
+        """Engines with their own copy of the weights (`rollout.dtype`) take the new adapters."""
+        out: dict[str, float] = {}
+        for engine in self.engines.values():
+            out |= engine.sync()
+        return out
 
     def close(self) -> None:
         if self._pump is not None:

@@ -66,6 +66,10 @@ class EngineBackend(InProcess):
         self._inbox.put((request, loop, future))
         return await future
 
+    def sync(self, policy: Any) -> dict[str, float]:
+        """The engine's own copy of the weights, when it has one (`rollout.dtype`), takes the new adapters."""
+        return self.engine.sync()
+
     def close(self) -> None:
         self._closed = True
         self._inbox.put(None)

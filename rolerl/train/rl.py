@@ -26,9 +26,10 @@ from rolerl.algorithms import zero_variance_mask
 from rolerl.config import Config, ConfigError, load_config
 from rolerl.diagnostics.grad_conflict import role_gradients
 from rolerl.eval.harness import held_out
+from rolerl.hardware import resolve_precision
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
-from rolerl.rollout.engine import Engine
+from rolerl.rollout.engine import Engine, rollout_copy
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.rollout.scheduler import EngineBackend, ModelRouter, RolloutBackend
@@ -511,9 +512,36 @@ def build_engines(
 
     names = run_tools(cfg, tool)
     kwargs = {tool: dict(options)} if options and tool in names else {}
-    return {name: Engine(m.model, m.tokenizer, max_batch=max_batch, max_len=max_len,
-                         tools=build_tools(names, **kwargs))
-            for name, m in policy.members.items()}  # fmt: skip
+    dtype = rollout_dtype(cfg, policy)
+    engines = {}
+    for name, m in policy.members.items():
+        model, source = m.model, None
+        if dtype is not None and dtype != next(m.model.parameters()).dtype:
+            model, source = rollout_copy(m.model, dtype), m.model
+        engines[name] = Engine(model, m.tokenizer, max_batch=max_batch, max_len=max_len,
+                               tools=build_tools(names, **kwargs), source=source)  # fmt: skip
+    return engines
+
+
+def rollout_dtype(cfg: Config, policy: Policy) -> torch.dtype | None:
+    """The engines' weights dtype (`rollout.dtype`), None = the trainer's own weights. Sampling in another
+    precision than the trainer computes in makes the rollout's log-probs another distribution's: the
+    trainer must recompute them (`algorithm.old_logp: recompute`; `tis_cap` corrects the sampling)."""
+    name = cfg.rollout.dtype
+    if name == "model":
+        return None
+    if name == "auto":
+        name = resolve_precision("auto", policy.device, "rollout.dtype")
+        if name == "float32":
+            return None
+    dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
+    weights = {next(m.model.parameters()).dtype for m in policy.members.values()}
+    if weights != {dtype} and cfg.algorithm.old_logp != "recompute":
+        raise ConfigError(
+            f"rollout.dtype={cfg.rollout.dtype!r} samples in {dtype} while the trainer's weights are "
+            f"{sorted(map(str, weights))}: set algorithm.old_logp=recompute (and algorithm.tis_cap, e.g. 2.0)"
+        )
+    return dtype
 
 
 def _backend(cfg: Config, engines: dict[str, Engine], policy: Policy) -> RolloutBackend:
