@@ -225,12 +225,37 @@ def test_scripted_tool_episodes_kinds_routes_and_logprobs(tiny):
 # ---- batch invariance and continuous batching ----------------------------------------------------------
 
 
-def near_tie(logp: torch.Tensor, seed: int, counter: int, eps: float = 1e-5) -> bool:
-    """Whether the row's uniform fell within `eps` (of the total mass) of a CDF boundary: there, a 1e-6
-    difference in logits between batch shapes legitimately flips the token."""
-    cdf = logp.double().exp().cumsum(-1)
-    target = float(counter_uniform(torch.tensor([seed]), torch.tensor([counter]))) * float(cdf[-1])
-    return bool(((cdf - target).abs() < eps * float(cdf[-1])).any())
+def near_tie(logp: torch.Tensor, params: SamplingParams, counter: int, eps: float = 1e-5) -> bool:
+    """Whether a 1e-6 difference in logits between batch shapes can legitimately flip this draw: the row's
+    uniform fell within `eps` (of the total mass) of a CDF boundary, or, with top-k/top-p (the sampler walks
+    the kept tokens in descending order), two tokens near the walk's end are within `eps` of swapping
+    places, or a token sits within `eps` of the top-p cut (kept or dropped, it changes the mass)."""
+    probs = logp.double().exp()
+    u = float(counter_uniform(torch.tensor([params.seed]), torch.tensor([counter])))
+    if params.top_k == 0 and params.top_p >= 1:
+        cdf = probs.cumsum(-1)
+        return bool(((cdf - u * float(cdf[-1])).abs() < eps * float(cdf[-1])).any())
+    values = probs.sort(descending=True).values
+    total = float(values.sum())
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k :] = False
+    before = values.cumsum(0) - values
+    if params.top_p < 1:
+        keep &= before < params.top_p * total
+        if bool(((before - params.top_p * total).abs() < eps * total).any()):
+            return True
+    kept = values[keep]
+    cdf = kept.cumsum(0)
+    target = u * float(cdf[-1])
+    if bool(((cdf - target).abs() < eps * float(cdf[-1])).any()):
+        return True
+    # the drawn place's token could swap with a neighbour (the first dropped one included)
+    k = int(
+        torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True).clamp(max=len(kept) - 1)
+    )
+    near = values[max(k - 1, 0) : k + 2]
+    return bool(((near[:-1] - near[1:]).abs() < eps * total).any())
 
 
 def assert_same_or_near_tie(model, req: GenerationRequest, expected, got) -> str | None:
@@ -254,9 +279,7 @@ def assert_same_or_near_tie(model, req: GenerationRequest, expected, got) -> str
         kwargs = {"routes": torch.tensor([routes])} if hasattr(model, "_rolerl_route_state") else {}
         logits = model(torch.tensor([ids]), **kwargs).logits[0, -1].float()
     logp = torch.log_softmax(logits / req.sampling.scale, -1)
-    assert not req.sampling.greedy and near_tie(logp, req.sampling.seed, j), (
-        f"diverged at {j} without a near-tie"
-    )
+    assert not req.sampling.greedy and near_tie(logp, req.sampling, j), f"diverged at {j} without a near-tie"
     return f"seed {req.sampling.seed}: near-tie at token {j}"
 
 
