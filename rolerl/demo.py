@@ -72,7 +72,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     from rolerl.rollout.engine import Engine
     from rolerl.tools import build_tools
     from rolerl.train.policy import build_policy
-    from rolerl.train.rl import train
+    from rolerl.train.rl import rollout_dtype, train
     from rolerl.train.sft import sft
 
     t_start = time.perf_counter()
@@ -90,9 +90,11 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
             "quick mode: a pipeline check of every stage (2 RL steps on a few problems are too few to move "
             f"accuracy); the full demo's measured gains are in {RESULTS_DOC}"
         )
+    sampling = rollout_dtype(cfg, policy)
     log(
         f"model {cfg.model.spec} ({cfg.model.dtype}), adapters {policy.adapter_names} rank {cfg.adapters.rank}, "
-        f"bf16 training {'on' if policy.bf16 else 'off'} ({describe()})"
+        f"bf16 training {'on' if policy.bf16 else 'off'}, rollouts in "
+        f"{str(sampling).removeprefix('torch.') if sampling else cfg.model.dtype} ({describe()})"
     )
     tools = build_tools(["python"])  # fails now, with what to do, where the sandbox cannot work
     engine = Engine(policy.model, policy.tokenizer, max_batch=cfg.rollout.max_batch, tools=tools)
