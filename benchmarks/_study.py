@@ -1,11 +1,30 @@
-"""What the study scripts share: their command line (`run` / `summarize`) and the accuracy-per-step plot."""
+"""What the study scripts share: their command line (`run` / `summarize`), running `rolerl demo` per arm
+and seed, and the accuracy-per-step plot."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+
+
+def run_demo_arms(out: Path, seeds: list[int], arms: dict[str, list[str]]) -> None:
+    """`rolerl demo` for every seed and arm (`--set` overrides per arm) into `out/<arm>-s<seed>`, its log
+    beside it; an arm whose `results.json` exists is skipped, so a study resumes after an interruption."""
+    out.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:
+        for arm, sets in arms.items():
+            target = out / f"{arm}-s{seed}"
+            if (target / "results.json").exists():
+                continue
+            cmd = [sys.executable, "-m", "rolerl.cli", "demo", "--seed", str(seed), "--run-dir", str(target),
+                   "--set", "run.progress=false", *sets]  # fmt: skip
+            print(" ".join(cmd), flush=True)
+            with (out / f"{arm}-s{seed}.log").open("w") as log:
+                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
 def plot_curves(curves: dict[str, list[list[float]]], path: Path, title: str, ylabel: str) -> None:

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from _study import main, plot_curves
+from _study import main, plot_curves, run_demo_arms
 
 BASE = ["adapters.preset=shared", "adapters.rank=16"]
 ARMS = {
@@ -33,17 +31,7 @@ ARMS = {
 
 
 def run(out: Path, seeds: list[int]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for seed in seeds:
-        for arm, sets in ARMS.items():
-            target = out / f"{arm}-s{seed}"
-            if (target / "results.json").exists():
-                continue
-            cmd = [sys.executable, "-m", "rolerl.cli", "demo", "--seed", str(seed), "--run-dir", str(target),
-                   "--set", "run.progress=false", *sets]  # fmt: skip
-            print(" ".join(cmd), flush=True)
-            with (out / f"{arm}-s{seed}.log").open("w") as log:
-                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+    run_demo_arms(out, seeds, ARMS)
 
 
 def summarize(out: Path, plot: Path | None) -> str:
