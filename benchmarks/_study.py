@@ -4,10 +4,11 @@ and seed, and the accuracy-per-step plot."""
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
@@ -25,6 +26,16 @@ def run_demo_arms(out: Path, seeds: list[int], arms: dict[str, list[str]]) -> No
             print(" ".join(cmd), flush=True)
             with (out / f"{arm}-s{seed}.log").open("w") as log:
                 subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def demo_runs(out: Path, arms: Iterable[str]) -> Iterator[tuple[str, int, dict, list[dict]]]:
+    """Every finished `run_demo_arms` run under `out`, arm by arm and seed by seed: `(arm, seed, the demo's
+    results.json, its RL metrics.jsonl rows)`."""
+    for arm in arms:
+        for path in sorted(out.glob(f"{arm}-s*/results.json")):
+            seed = int(path.parent.name.rsplit("-s", 1)[1])
+            lines = (path.parent / "rl" / "metrics.jsonl").read_text().splitlines()
+            yield arm, seed, json.loads(path.read_text()), [json.loads(x) for x in lines]
 
 
 def plot_curves(curves: dict[str, list[list[float]]], path: Path, title: str, ylabel: str) -> None:

@@ -17,11 +17,10 @@ time over the RL steps, and the rollout/trainer mismatch.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from _study import main, plot_curves, run_demo_arms
+from _study import demo_runs, main, plot_curves, run_demo_arms
 
 BASE = ["adapters.preset=shared", "adapters.rank=16"]
 ARMS = {
@@ -36,28 +35,24 @@ def run(out: Path, seeds: list[int]) -> None:
 
 def summarize(out: Path, plot: Path | None) -> str:
     rows, curves = [], {}
-    for arm in ARMS:
-        for path in sorted(out.glob(f"{arm}-s*/results.json")):
-            seed = int(path.parent.name.rsplit("-s", 1)[1])
-            res = json.loads(path.read_text())
-            ev = res["evals"]
-            metrics = [json.loads(x) for x in (path.parent / "rl" / "metrics.jsonl").read_text().splitlines()]
-            curves.setdefault(arm, []).append([m["accuracy"] for m in metrics])
+    for arm, seed, res, metrics in demo_runs(out, ARMS):
+        ev = res["evals"]
+        curves.setdefault(arm, []).append([m["accuracy"] for m in metrics])
 
-            def median(key: str, metrics=metrics) -> float:
-                return statistics.median(m[key] for m in metrics)
+        def median(key: str, metrics=metrics) -> float:
+            return statistics.median(m[key] for m in metrics)
 
-            def mean(key: str, metrics=metrics) -> float:
-                values = [m[key] for m in metrics if key in m]
-                return statistics.mean(values) if values else float("nan")
+        def mean(key: str, metrics=metrics) -> float:
+            values = [m[key] for m in metrics if key in m]
+            return statistics.mean(values) if values else float("nan")
 
-            rows.append({
-                "arm": arm, "seed": seed, "warm": ev["warm/rl"]["accuracy"], "after": ev["rl/rl"]["accuracy"],
-                "gain": res["gain"]["points"], "se": res["gain"]["stderr_points"],
-                "step": median("time/step"), "rollout": median("time/rollout"), "update": median("time/update"),
-                "mismatch": mean("logp_mismatch/mean_abs"), "max": mean("logp_mismatch/max_abs"),
-                "tis_w": mean("logp_mismatch/tis_weight_mean"), "tis_cut": mean("logp_mismatch/tis_truncated_frac"),
-            })  # fmt: skip
+        rows.append({
+            "arm": arm, "seed": seed, "warm": ev["warm/rl"]["accuracy"], "after": ev["rl/rl"]["accuracy"],
+            "gain": res["gain"]["points"], "se": res["gain"]["stderr_points"],
+            "step": median("time/step"), "rollout": median("time/rollout"), "update": median("time/update"),
+            "mismatch": mean("logp_mismatch/mean_abs"), "max": mean("logp_mismatch/max_abs"),
+            "tis_w": mean("logp_mismatch/tis_weight_mean"), "tis_cut": mean("logp_mismatch/tis_truncated_frac"),
+        })  # fmt: skip
     lines = [
         "| arm | seed | warm start | after RL | gain (SE) | median step / rollout / update (s) "
         "| mean abs logp mismatch (max) | TIS mean weight / share truncated |",

@@ -16,11 +16,10 @@ and plots rollout accuracy per step (mean over seeds) per arm.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from _study import main, plot_curves, run_demo_arms
+from _study import demo_runs, main, plot_curves, run_demo_arms
 
 ARMS = {
     "shared": ["adapters.preset=shared", "adapters.rank=16"],
@@ -35,24 +34,20 @@ def run(out: Path, seeds: list[int]) -> None:
 
 def summarize(out: Path, plot: Path | None) -> str:
     rows, curves = [], {}
-    for arm in ARMS:
-        for path in sorted(out.glob(f"{arm}-s*/results.json")):
-            seed = int(path.parent.name.rsplit("-s", 1)[1])
-            res = json.loads(path.read_text())
-            ev = res["evals"]
-            metrics = [json.loads(x) for x in (path.parent / "rl" / "metrics.jsonl").read_text().splitlines()]
-            curves.setdefault(arm, []).append([m["accuracy"] for m in metrics])
-            kinds = {k: statistics.mean(m.get(f"kind/{k}/loss_tokens", 0.0) for m in metrics)
-                     for k in ("reasoning", "tool_call", "answer")}  # fmt: skip
-            rows.append({
-                "arm": arm, "seed": seed,
-                "warm": ev["warm/rl"]["accuracy"], "after": ev["rl/rl"]["accuracy"],
-                "format_after": ev["rl/format"]["accuracy"], "n": ev["rl/rl"]["n"],
-                "gain": res["gain"]["points"], "se": res["gain"]["stderr_points"],
-                "rl_min": res.get("rl_s", float("nan")) / 60, "kinds": kinds,
-                "entropy_tool": _mean(metrics, "kind/tool_call/entropy"),
-                "entropy_reason": _mean(metrics, "kind/reasoning/entropy"),
-            })  # fmt: skip
+    for arm, seed, res, metrics in demo_runs(out, ARMS):
+        ev = res["evals"]
+        curves.setdefault(arm, []).append([m["accuracy"] for m in metrics])
+        kinds = {k: statistics.mean(m.get(f"kind/{k}/loss_tokens", 0.0) for m in metrics)
+                 for k in ("reasoning", "tool_call", "answer")}  # fmt: skip
+        rows.append({
+            "arm": arm, "seed": seed,
+            "warm": ev["warm/rl"]["accuracy"], "after": ev["rl/rl"]["accuracy"],
+            "format_after": ev["rl/format"]["accuracy"], "n": ev["rl/rl"]["n"],
+            "gain": res["gain"]["points"], "se": res["gain"]["stderr_points"],
+            "rl_min": res.get("rl_s", float("nan")) / 60, "kinds": kinds,
+            "entropy_tool": _mean(metrics, "kind/tool_call/entropy"),
+            "entropy_reason": _mean(metrics, "kind/reasoning/entropy"),
+        })  # fmt: skip
     lines = [
         "| arm | seed | warm start: RL families | after RL: RL families | after RL: format families | gain (SE) "
         "| loss tokens per mini-batch: reasoning / tool call / answer | mean entropy: reasoning / tool call "
