@@ -9,7 +9,14 @@ decay 0.01, betas 0.9/0.999, torch's own implementation), gradient clipping at 1
 Settings, side by side:
   model        `--model` ("default" = SmolLM2-135M-Instruct via `rolerl.load_model`, or "tiny:llama" for a
                smoke run); both sides load it the same way (`rolerl.load_model` / `rolerl.tiny_model`) and
-               TRL gets the model object. float32 weights, no autocast (TRL: bf16=False, fp16=False).
+               TRL gets the model object. float32 weights on both sides.
+  precision    `--mode fp32`: no autocast on either side (TRL bf16=False, fp16=False; rolerl train.bf16=false,
+               set explicitly: its default "auto" autocasts where bf16 is native). `--mode bf16`: TRL
+               bf16=True (its mixed precision) and rolerl train.bf16=true (bf16 autocast of the training
+               forward); both sample as they do by default. `--mode fastest`: TRL bf16=True (its fastest
+               supported CPU mode without vLLM) against rolerl's fastest honest mode: the engine samples
+               from a bf16 copy (rollout.dtype=bfloat16), bf16 autocast in training, old log-probs recomputed
+               by the trainer (an extra forward) and truncated importance sampling (tis_cap 2).
   LoRA         r=16, alpha=32, dropout 0, all linear layers of the decoder (lm_head excluded on both).
                rolerl: adapters.rank=16, target_modules=all-linear, preset shared. TRL: peft LoraConfig.
   prompts      rolerl's `ArithmeticTask` chat prompts (system + user, chat template with the generation
@@ -47,6 +54,8 @@ Settings, side by side:
 
     python benchmarks/grpo_step_vs_trl.py --json                       # the full run, betas 0 and 0.04
                                                          # (est. 15-25 min on 2 quiet cores)
+    python benchmarks/grpo_step_vs_trl.py --json --mode fastest --betas 0
+    python benchmarks/grpo_step_vs_trl.py --json --mode fastest --betas 0 --max-new-tokens 512 --steps 2
     python benchmarks/grpo_step_vs_trl.py --model tiny:llama --steps 2 --warmup 1 --max-new-tokens 16
 The last line with --json is one JSON object. TRL is a benchmark-only extra: `pip install -e ".[bench]"`.
 """
@@ -180,7 +189,7 @@ def trl_child(args: argparse.Namespace, beta: float) -> dict:
             weight_decay=0.01,
             max_grad_norm=1.0,
             optim="adamw_torch",
-            bf16=False,
+            bf16=args.mode != "fp32",  # TRL's mixed precision (autocast); its fastest supported CPU mode
             fp16=False,
             activation_checkpointing=False,  # transformers 5.24's name for gradient_checkpointing
             use_cpu=True,
@@ -217,8 +226,8 @@ def trl_child(args: argparse.Namespace, beta: float) -> dict:
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         trainer.train()
         base = trainer.model.get_base_model()
-        assert not base.is_activation_checkpointing and trainer.args.bf16 is False, (
-            "not the fp32 no-checkpoint setup"
+        assert not base.is_activation_checkpointing and trainer.args.bf16 is (args.mode != "fp32"), (
+            "not the requested no-checkpoint setup"
         )
     return result("trl", args, timer.times, timer.counts, trainable, after_load, after_init)
 
@@ -251,11 +260,10 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
         RunConfig,
         TrainConfig,
     )
-    from rolerl.rollout.engine import Engine
     from rolerl.rollout.lockstep import LockstepBackend
     from rolerl.tasks.arithmetic import ArithmeticTask
     from rolerl.train.policy import build_policy
-    from rolerl.train.rl import train_step
+    from rolerl.train.rl import build_engines, train_step
 
     torch.set_num_threads(args.threads)
     total = args.warmup + args.steps
@@ -269,6 +277,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
                 temperature=1.0,
                 top_p=1.0,
                 max_batch=GROUP * PROMPTS,
+                dtype="bfloat16" if args.mode == "fastest" else "model",
             ),
             algorithm=AlgorithmConfig(
                 advantage="grpo",
@@ -277,7 +286,9 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
                 clip_high=0.28,
                 kl="k3",
                 beta=beta,
-                old_logp="rollout",
+                # a bf16 rollout copy samples another distribution: the trainer recomputes old log-probs
+                old_logp="recompute" if args.mode == "fastest" else "rollout",
+                tis_cap=2.0 if args.mode == "fastest" else None,
             ),
             optim=OptimConfig(
                 lr=LR, schedule="constant", grad_clip=1.0, weight_decay=0.01, betas=[0.9, 0.999]
@@ -288,6 +299,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
                 micro_batch_size=args.micro_batch,
                 mini_batches=1,
                 ppo_epochs=1,
+                bf16=args.mode != "fp32",  # explicit: "auto" would autocast on a CPU with native bf16
             ),
             run=RunConfig(dir=out, seed=SEED, tensorboard=False, progress=False),
         )
@@ -297,8 +309,8 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
         after_load = rss_mb()
         params = policy.trainable()
         optimizer = policy.optimizer(cfg.optim)  # AdamW, lr LR, betas (0.9, 0.999), weight decay 0.01
-        engine = Engine(policy.model, policy.tokenizer, max_batch=cfg.rollout.max_batch)
-        backend = LockstepBackend(engine)
+        # rolerl's engines as training builds them (rollout.dtype, rollout.kernels)
+        backend = LockstepBackend(build_engines(cfg, policy, None, {}, cfg.rollout.max_batch))
         after_init = rss_mb()
         times, counts = [], []
         try:
@@ -350,6 +362,7 @@ def run_side(side: str, beta: float, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--betas", repr(beta), "--model", args.model]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     cmd += ["--max-new-tokens", str(args.max_new_tokens), "--micro-batch", str(args.micro_batch)]
+    cmd += ["--mode", args.mode]
     threads = str(args.threads)
     env = os.environ | {
         "OMP_NUM_THREADS": threads,
@@ -388,6 +401,13 @@ def main() -> None:
     p.add_argument("--model", default="default", help="'default' or 'tiny:llama' (smoke)")
     p.add_argument("--micro-batch", type=int, default=8, choices=[1, 2, 4, 8, 16], help="both sides")
     p.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
+    p.add_argument(
+        "--mode",
+        default="fp32",
+        choices=["fp32", "bf16", "fastest"],
+        help="fp32: no autocast on either side; bf16: TRL bf16=True, rolerl train.bf16 (autocast); "
+        "fastest: TRL bf16=True vs rolerl bf16 rollout copy + bf16 autocast + recomputed old log-probs + TIS",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--side", choices=["trl", "rolerl"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -405,6 +425,7 @@ def main() -> None:
     summary: dict = {
         "model": args.model,
         "dtype": "float32",
+        "mode": args.mode,
         "group_size": GROUP,
         "prompts_per_step": PROMPTS,
         "max_new_tokens": args.max_new_tokens,

@@ -12,8 +12,17 @@ Case 2 (tools): EOS on, variable lengths, chat prompts; half the rows call a too
 (the call is forced at a fixed step by wrapping the sampler, so every run makes the same calls). Reports
 the share of the no-tool throughput the engine keeps.
 
-    python benchmarks/rollout.py --json                                   # everything (~20 min on 2 cores)
+Case 3 (long, `--cases long`): batch 32, no adapters, 512 and 1,024 new tokens per row with EOS ignored,
+and a mix of lengths: EOS on, up to 1,024 new tokens, counting each row's tokens up to its EOS (HF keeps
+computing finished rows until the last one ends; the engine drops them). One timed run per side after a
+16-token warm-up (`--long-runs`), tokens/s and peak RSS per side.
+
+The rolerl side owns its model (generation only, as in `rolerl eval`), so its packed oneDNN weights
+replace the plain ones (`Engine(owns_model=True)`); `--kernels torch` measures the engine on `F.linear`.
+
+    python benchmarks/rollout.py --json                                   # cases 1-2 (~20 min on 2 cores)
     python benchmarks/rollout.py --dtypes bfloat16 --batches 32 --runs 3  # one cell
+    python benchmarks/rollout.py --json --cases long                      # case 3 (~40 min on 2 cores)
 The last line with --json is one JSON object.
 """
 
@@ -80,7 +89,12 @@ def decode_flops(model, batch: int, prompt_len: float, new: int) -> float:
     return batch * new * (2 * params + attn)
 
 
-def child(side: str, row: str, dtype: str, batch: int, new: int, runs: int) -> dict:
+def child(
+    side: str, row: str, dtype: str, batch: int, new: int, runs: int, eos: bool = False, kernels: str = "auto"
+) -> dict:
+    """One side of one cell. `eos`: stop rows at EOS (variable lengths, as RL produces) and count the tokens
+    up to and including each row's EOS; else every row generates exactly `new` tokens. The warm-up
+    generates 16 tokens (a full-length warm-up would double a 1,024-token cell)."""
     import torch
 
     import rolerl
@@ -88,6 +102,8 @@ def child(side: str, row: str, dtype: str, batch: int, new: int, runs: int) -> d
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model, tok = rolerl.load_model("default", dtype=dtype)
     ids = prompts(tok, batch)
+    flops = decode_flops(model, batch, sum(map(len, ids)) / batch, new)  # before any adapter or packing
+    eos_ids = {tok.eos_token_id, *([model.generation_config.eos_token_id] if eos else [])} - {None}
     if side == "hf":
         tok.padding_side = "left"
         enc = tok.pad({"input_ids": ids}, return_tensors="pt")
@@ -95,13 +111,19 @@ def child(side: str, row: str, dtype: str, batch: int, new: int, runs: int) -> d
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-        kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new)
-        model.generation_config.eos_token_id = None  # fixed length: EOS ignored (no extra logits processor)
+        kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+        if not eos:
+            model.generation_config.eos_token_id = None  # fixed length: EOS ignored (no logits processor)
 
-        def once() -> int:
+        def once(n: int) -> int:
             with torch.inference_mode():
-                out = model.generate(**enc, **kwargs, pad_token_id=tok.pad_token_id)
-            return (out.shape[1] - enc["input_ids"].shape[1]) * batch
+                out = model.generate(**enc, **kwargs, max_new_tokens=n, pad_token_id=tok.pad_token_id)
+            gen = out[:, enc["input_ids"].shape[1] :]
+            if not eos:
+                return gen.numel()
+            ended = torch.isin(gen, torch.tensor(sorted(eos_ids)))
+            first = torch.where(ended.any(1), ended.int().argmax(1) + 1, gen.shape[1])
+            return int(first.sum())
     else:
         from rolerl.rollout.engine import Engine, GenerationRequest
         from rolerl.rollout.sampling import SamplingParams
@@ -113,14 +135,15 @@ def child(side: str, row: str, dtype: str, batch: int, new: int, runs: int) -> d
                 dict.fromkeys(("prompt", "reasoning", "tool_call", "tool_output", "answer"), i)
                 for i in (0, 1)
             ]
-        engine = Engine(model, tok, max_batch=batch)
+        # generation only: nothing else runs this model, so packed kernels replace its plain weights
+        engine = Engine(model, tok, max_batch=batch, kernels=kernels, owns_model=True)
 
-        def once() -> int:
+        def once(n: int) -> int:
             reqs = [
                 GenerationRequest(
                     p,
                     SamplingParams(
-                        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new, ignore_eos=True, seed=i
+                        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=n, ignore_eos=not eos, seed=i
                     ),
                     route_of=route_ofs[i % 2],
                 )
@@ -128,26 +151,23 @@ def child(side: str, row: str, dtype: str, batch: int, new: int, runs: int) -> d
             ]
             return sum(len(t.completion_ids) for t in engine.generate(reqs))
 
-    once()  # warm-up
-    times, tokens = [], 0
+    once(16)  # warm-up
+    times, counts = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
-        tokens = once()
+        counts.append(once(new))
         times.append(time.perf_counter() - t0)
+    rates = [c / t for c, t in zip(counts, times, strict=True)]
     med = statistics.median(times)
-    flops = decode_flops(
-        model if side == "rolerl" or row == "base" else model.base_model.model,
-        batch,
-        sum(map(len, ids)) / batch,
-        new,
-    )
+    flops *= statistics.median(counts) / (batch * new)  # rows that stopped at EOS did less work
     peak = matmul_peak(model.dtype)
     return {
         "side": side,
         "row": row,
         "dtype": dtype,
         "batch": batch,
-        "tokens_per_s": tokens / med,
+        "tokens_per_s": statistics.median(rates),
+        "tokens": counts,
         "runs_s": [round(t, 2) for t in times],
         "mfu": flops / med / peak,
         "matmul_peak_gflops": peak / 1e9,
@@ -228,14 +248,22 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", default=["base", "lora"], choices=["base", "lora"])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--skip-tools", action="store_true", help="skip case 2")
+    p.add_argument("--cases", nargs="+", default=["fixed", "tools"], choices=["fixed", "tools", "long"])
+    p.add_argument("--rounds", type=int, default=1, help="rounds of both sides per cell, alternating")
+    p.add_argument("--long-runs", type=int, default=1, help="timed runs per side in case 3")
+    p.add_argument("--kernels", default="auto", choices=["auto", "onednn", "torch"], help="rolerl's linears")
+    p.add_argument(
+        "--skip-tools", action="store_true", help="skip case 2 (same as leaving it out of --cases)"
+    )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--eos", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", nargs=4, metavar=("SIDE", "ROW", "DTYPE", "BATCH"), help=argparse.SUPPRESS)
     p.add_argument("--tool-child", nargs=3, metavar=("DTYPE", "BATCH", "WITH_TOOLS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         side, row, dtype, batch = args.child
-        print(json.dumps(child(side, row, dtype, int(batch), args.new_tokens, args.runs)))
+        res = child(side, row, dtype, int(batch), args.new_tokens, args.runs, args.eos, args.kernels)
+        print(json.dumps(res))
         return
     if args.tool_child:
         dtype, batch, with_tools = args.tool_child
@@ -246,41 +274,61 @@ def main() -> None:
         )
         return
 
-    common = ["--new-tokens", str(args.new_tokens), "--runs", str(args.runs)]
+    common = ["--runs", str(args.runs), "--kernels", args.kernels]
     summary: dict = {
         "new_tokens": args.new_tokens,
         "runs": args.runs,
+        "rounds": args.rounds,
+        "kernels": args.kernels,
         "threads": int(os.environ.get("BENCH_THREADS", "2")),
         "machine": describe(),  # every figure says which CPU it came from
     }
-    for dtype in args.dtypes:
-        for row in args.rows:
-            for batch in args.batches:
-                res = {
-                    side: run(["--child", side, row, dtype, str(batch), *common]) for side in ("hf", "rolerl")
-                }
-                key = f"{dtype}/{row}/b{batch}"
-                summary[key] = {
-                    "hf_tok_s": round(res["hf"]["tokens_per_s"], 1),
-                    "rolerl_tok_s": round(res["rolerl"]["tokens_per_s"], 1),
-                    "ratio": round(res["rolerl"]["tokens_per_s"] / res["hf"]["tokens_per_s"], 2),
-                    # both against one peak (the rolerl subprocess's): single 2048^3 timings fluctuate
-                    "hf_mfu": round(
-                        res["hf"]["mfu"]
-                        * res["hf"]["matmul_peak_gflops"]
-                        / res["rolerl"]["matmul_peak_gflops"],
-                        4,
-                    ),
-                    "rolerl_mfu": round(res["rolerl"]["mfu"], 4),
-                    "matmul_peak_gflops": round(res["rolerl"]["matmul_peak_gflops"], 1),
-                    "hf_peak_rss_mb": round(res["hf"]["peak_rss_mb"]),
-                    "rolerl_peak_rss_mb": round(res["rolerl"]["peak_rss_mb"]),
-                }
-                print(key, summary[key], flush=True)
-    if not args.skip_tools:
+
+    def cell(key: str, row: str, dtype: str, batch: int, extra: list[str]) -> None:
+        # sides alternate, one subprocess each per round; the ratio is the median of the rounds' ratios, so a
+        # machine that drifts between rounds moves both sides of each ratio together
+        rounds = [
+            {side: run(["--child", side, row, dtype, str(batch), *extra]) for side in ("hf", "rolerl")}
+            for _ in range(args.rounds)
+        ]
+        med = lambda side, k: statistics.median(r[side][k] for r in rounds)  # noqa: E731
+        peak = med("rolerl", "matmul_peak_gflops")
+        summary[key] = {
+            "hf_tok_s": round(med("hf", "tokens_per_s"), 1),
+            "rolerl_tok_s": round(med("rolerl", "tokens_per_s"), 1),
+            "ratio": round(
+                statistics.median(r["rolerl"]["tokens_per_s"] / r["hf"]["tokens_per_s"] for r in rounds), 2
+            ),
+            "round_ratios": [round(r["rolerl"]["tokens_per_s"] / r["hf"]["tokens_per_s"], 2) for r in rounds],
+            # both against one peak (the rolerl subprocesses'): single 2048^3 timings fluctuate
+            "hf_mfu": round(
+                statistics.median(r["hf"]["mfu"] * r["hf"]["matmul_peak_gflops"] for r in rounds) / peak, 4
+            ),
+            "rolerl_mfu": round(med("rolerl", "mfu"), 4),
+            "matmul_peak_gflops": round(peak, 1),
+            "hf_peak_rss_mb": round(max(r["hf"]["peak_rss_mb"] for r in rounds)),
+            "rolerl_peak_rss_mb": round(max(r["rolerl"]["peak_rss_mb"] for r in rounds)),
+            "hf_tokens": [r["hf"]["tokens"] for r in rounds],
+            "rolerl_tokens": [r["rolerl"]["tokens"] for r in rounds],
+        }
+        print(key, summary[key], flush=True)
+
+    if "fixed" in args.cases:
+        for dtype in args.dtypes:
+            for row in args.rows:
+                for batch in args.batches:
+                    cell(
+                        f"{dtype}/{row}/b{batch}",
+                        row,
+                        dtype,
+                        batch,
+                        [*common, "--new-tokens", str(args.new_tokens)],
+                    )
+    if "tools" in args.cases and not args.skip_tools:
         dtype = args.dtypes[-1]
-        plain = run(["--tool-child", dtype, "32", "0", *common])
-        tools = run(["--tool-child", dtype, "32", "1", *common])
+        tool_args = [*common, "--new-tokens", str(args.new_tokens)]
+        plain = run(["--tool-child", dtype, "32", "0", *tool_args])
+        tools = run(["--tool-child", dtype, "32", "1", *tool_args])
         summary[f"{dtype}/tools/b32"] = {
             "no_tool_tok_s": round(plain["tokens_per_s"], 1),
             "tool_tok_s": round(tools["tokens_per_s"], 1),
@@ -288,6 +336,12 @@ def main() -> None:
             "tool_calls": tools["tool_calls"],
         }
         print(f"{dtype}/tools/b32", summary[f"{dtype}/tools/b32"], flush=True)
+    if "long" in args.cases:
+        long = ["--runs", str(args.long_runs), "--kernels", args.kernels]
+        for dtype in args.dtypes:
+            for new in (512, 1024):
+                cell(f"{dtype}/long{new}/b32", "base", dtype, 32, [*long, "--new-tokens", str(new)])
+            cell(f"{dtype}/eos1024/b32", "base", dtype, 32, [*long, "--new-tokens", "1024", "--eos"])
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=1))
 
 

@@ -173,6 +173,10 @@ class RolloutConfig(Section):
     # samples from (adapters copied after every step; needs algorithm.old_logp=recompute, tis_cap advised);
     # auto = bfloat16 where bf16 is native (a GPU, or a CPU with AVX512-BF16/AMX), else model
     dtype: Literal["model", "bfloat16", "float32", "auto"] = "model"
+    # the engine's linear layers on CPU: onednn = weights packed once for oneDNN (1.5-2x faster decode GEMMs
+    # at 8-64 rows, one more copy of the weights in memory unless the engine has its own dtype copy); torch =
+    # F.linear; auto = onednn where supported (CPU; fp32, or bf16 where native). docs/BENCHMARKS.md
+    kernels: Literal["auto", "onednn", "torch"] = "auto"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
     # in this process) and served_model (its base model's name; default: the first it lists)

@@ -97,7 +97,13 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         f"{str(sampling).removeprefix('torch.') if sampling else cfg.model.dtype} ({describe()})"
     )
     tools = build_tools(["python"])  # fails now, with what to do, where the sandbox cannot work
-    engine = Engine(policy.model, policy.tokenizer, max_batch=cfg.rollout.max_batch, tools=tools)
+    engine = Engine(
+        policy.model,
+        policy.tokenizer,
+        max_batch=cfg.rollout.max_batch,
+        tools=tools,
+        kernels=cfg.rollout.kernels,
+    )
     held_out = {
         "format": fmt.examples("test", settings.eval_format, settings.seed),
         "rl": rl.examples("test", settings.eval_rl, settings.seed),

@@ -18,7 +18,6 @@ was computed with, and sampling log-probs. The routes fed are checked against `s
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,7 @@ import torch
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch
+from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import sample
 from rolerl.tools.base import Tool
@@ -68,12 +68,17 @@ class Engine:
         tool_workers: int = 8,
         sampler=sample,
         source=None,
+        kernels: str = "auto",
+        owns_model: bool | None = None,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
         `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`;
         tests replace it with a script to drive exact token sequences (teacher forcing) through the
         real engine. `source`: the trainer's model when `model` is a copy in another dtype (`rollout_copy`):
-        `sync()` copies its adapters in."""
+        `sync()` copies its adapters in. `kernels`: `onednn` runs the linear layers on weights packed once
+        for oneDNN (`rolerl.rollout.packed`; CPU only), `torch` on `F.linear`, `auto` = `onednn` where
+        supported. `owns_model` (default: True with a `source`): nothing but this engine runs `model`, so
+        with packed kernels its plain linear weights are freed (the packed copies replace them)."""
         self.model, self.tokenizer = model, tokenizer
         self.source = source
         self.sampler = sampler
@@ -86,6 +91,10 @@ class Engine:
         self.lm_head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kernels = resolve_kernels(kernels, self.device, self.dtype)
+        self.packed = PackedLinears(model, max_batch) if self.kernels == "onednn" else None
+        if self.packed is not None and (source is not None if owns_model is None else owns_model):
+            self.packed.release()
         # every id the head can produce: a model's vocabulary is often padded past its tokenizer's (Qwen3:
         # 151,936 rows, 151,669 tokens); an id with no token is b"" (as `tokenizer.decode` skips it)
         self.bytes = token_bytes(tokenizer, getattr(model.config, "vocab_size", None))
@@ -200,8 +209,11 @@ class Engine:
     def _ensure_cache(self, need: int) -> None:
         if self.cache is not None and self.cache.capacity >= need:
             return
-        capacity = 2 ** math.ceil(math.log2(max(need, 64)))
+        # sized to the longest request, not a power of two (a 1,100-position row would hold 2,048); when a
+        # longer request comes, grow by at least a quarter so that rising lengths do not copy every time
         old = self.cache
+        capacity = max(need, 64) if old is None else max(need, old.capacity + old.capacity // 4)
+        capacity = -(-capacity // 64) * 64
         self.cache = KVCache(self.model.config, self.max_batch, capacity, self.dtype, self.device)
         if old is not None:
             for i, row in enumerate(self.active):
@@ -243,7 +255,8 @@ class Engine:
             n_new.append(n)
         t0 = time.perf_counter()
         batch = make_batch(self.cache, indices, [r.cache_len for r in rows], width, n_new)
-        with torch.inference_mode(), engine_forward(self.model, batch), self._routes(routes):
+        kernels = self.packed() if self.packed is not None else nullcontext()
+        with torch.inference_mode(), engine_forward(self.model, batch), self._routes(routes), kernels:
             hidden = self.decoder(
                 input_ids=ids.to(self.device), position_ids=batch.positions, use_cache=False
             ).last_hidden_state  # (B, T, d)

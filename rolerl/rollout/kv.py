@@ -59,7 +59,7 @@ class Batch:
     positions: torch.Tensor  # (B, T) lens[:, None] + arange(T): RoPE positions of the new tokens
     writes: torch.Tensor  # (B, T) cache column of each new key (scratch column for padding)
     kv_len: int  # max(lens + T): how much of the cache this forward reads
-    mask: torch.Tensor  # (B, 1, T, kv_len) bool, True = attend
+    mask: torch.Tensor  # (B, 1, T, kv_len) additive, in the cache dtype: 0 = attend, -inf = not
 
 
 def make_batch(cache: KVCache, slots: list[int], lens: list[int], width: int, n_new: list[int]) -> Batch:
@@ -76,8 +76,10 @@ def make_batch(cache: KVCache, slots: list[int], lens: list[int], width: int, n_
         raise RuntimeError(f"KV cache capacity {cache.capacity} exceeded ({kv_len}); raise max_len")
     writes = torch.where(steps[None, :] < n_t[:, None], positions, cache.capacity)  # (B, T)
     keys = torch.arange(kv_len, device=device)
-    # causal per row; a padding query still sees key 0, so no softmax row is empty (no NaN)
-    mask = keys[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, T, kv_len)
+    # causal per row; a padding query still sees key 0, so no softmax row is empty (no NaN). Additive and
+    # built once per forward: SDPA would convert a bool mask in every layer.
+    hidden = keys[None, None, None, :] > positions[:, None, :, None]  # (B, 1, T, kv_len)
+    mask = torch.zeros(hidden.shape, dtype=cache.dtype, device=device).masked_fill_(hidden, float("-inf"))
     contiguous = slots == list(range(len(slots)))
     return Batch(cache, slot_t, contiguous, lens_t, positions, writes, kv_len, mask)
 
@@ -104,16 +106,18 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:
         k = k_cache[:, :, : batch.kv_len].index_select(0, batch.slots)  # copies only what is read
         v = v_cache[:, :, : batch.kv_len].index_select(0, batch.slots)
-    k, v = k.to(query.dtype), v.to(query.dtype)
+    mask = batch.mask
+    if k.dtype != query.dtype:  # a no-op `.to` still costs a dispatch, x3 per layer per step
+        k, v, mask = k.to(query.dtype), v.to(query.dtype), mask.to(query.dtype)
     b, heads, t, d = query.shape
     groups = heads // k.shape[1]
     if t == 1 and groups > 1:
         # Decode: the query heads sharing a KV head become that head's "query positions" (HF's repeat_kv
         # maps query head h to KV head h // groups), so grouped-query attention needs no copy of K/V.
         q = query.view(b, k.shape[1], groups, d)  # (B, Hkv, G, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scaling)  # (B, Hkv, G, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (B, Hkv, G, D)
         return out.reshape(b, 1, heads, d), None
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=batch.mask, scale=scaling, enable_gqa=True)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 

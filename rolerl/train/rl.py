@@ -519,7 +519,8 @@ def build_engines(
         if dtype is not None and dtype != next(m.model.parameters()).dtype:
             model, source = rollout_copy(m.model, dtype), m.model
         engines[name] = Engine(model, m.tokenizer, max_batch=max_batch, max_len=max_len,
-                               tools=build_tools(names, **kwargs), source=source)  # fmt: skip
+                               tools=build_tools(names, **kwargs), source=source,
+                               kernels=cfg.rollout.kernels)  # fmt: skip
     return engines
 
 

@@ -1,0 +1,171 @@
+"""Packed oneDNN linears in the engine: the same tokens and log-probs as `F.linear`, weights that change are
+packed again, a released model frees its plain weights and still generates the same, clear refusals."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import rolerl
+from rolerl.rollout.engine import Engine, GenerationRequest, rollout_copy
+from rolerl.rollout.packed import (
+    PackedLinears,
+    _drop_file_pages,
+    _file_mappings,
+    onednn_supported,
+    resolve_kernels,
+)
+from rolerl.rollout.sampling import SamplingParams
+from tests.models.test_lora import randomize_adapters
+from tests.tolerance import assert_close_ulps
+
+pytestmark = pytest.mark.skipif(
+    not onednn_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
+)
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,", "Once upon a time there was a"]
+KINDS = ("prompt", "reasoning", "tool_call", "tool_output", "answer")
+
+
+def requests(tok, greedy: bool, n: int = 10) -> list[GenerationRequest]:
+    # two adapters, rows alternating between them (two roles in one batch)
+    routes = [dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 1)]
+    return [
+        GenerationRequest(
+            tok.encode(p, add_special_tokens=False),
+            SamplingParams(greedy=greedy, seed=i, max_new_tokens=n),
+            route_of=routes[i % 2],
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def with_adapters(model):
+    rolerl.add_adapters(model, ["a", "b"], rank=4, alpha=8)
+    randomize_adapters(model, std=0.2)
+    return model
+
+
+def test_linear_layer_equals_f_linear_for_any_row_count():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 160, bias=True)
+    packed = PackedLinears(layer, batch_hint=32)
+    for shape in [(1, 96), (7, 96), (3, 5, 96), (200, 96)]:
+        x = torch.randn(*shape)
+        with torch.inference_mode():
+            expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+            with packed():
+                got = layer(x)
+        # another blocking of a 96-term fp32 dot product: a few ulps of the largest value
+        assert_close_ulps(got.double(), expected, 64, torch.float32)
+    assert "forward" not in layer.__dict__  # swapped back out
+
+
+def test_engine_onednn_equals_torch_kernels_greedy_and_logprobs(tiny):
+    model, tok = tiny
+    with_adapters(model)
+    turns = {
+        k: Engine(model, tok, max_batch=4, kernels=k).generate(requests(tok, True))
+        for k in ("torch", "onednn")
+    }
+    sampled = {
+        k: Engine(model, tok, max_batch=4, kernels=k).generate(requests(tok, False))
+        for k in ("torch", "onednn")
+    }
+    for a, b in zip(turns["torch"], turns["onednn"], strict=True):
+        assert a.completion_ids == b.completion_ids  # random tiny models: wide margins, no near ties
+        assert_close_ulps(torch.tensor(b.logprobs), torch.tensor(a.logprobs), 4096, torch.float32)
+    for a, b in zip(sampled["torch"], sampled["onednn"], strict=True):
+        assert a.completion_ids == b.completion_ids
+        assert_close_ulps(torch.tensor(b.logprobs), torch.tensor(a.logprobs), 4096, torch.float32)
+
+
+def test_a_changed_base_weight_is_packed_again(tiny):
+    model, tok = tiny
+    with_adapters(model)
+    engine = Engine(model, tok, max_batch=4, kernels="onednn")
+    before = engine.generate(requests(tok, True))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.base_layer.weight.mul_(-3.0)  # in place: same storage, new version
+    after = engine.generate(requests(tok, True))
+    fresh = Engine(model, tok, max_batch=4, kernels="torch").generate(requests(tok, True))
+    assert [t.completion_ids for t in after] == [t.completion_ids for t in fresh]
+    assert [t.completion_ids for t in after] != [t.completion_ids for t in before]
+
+
+def test_a_released_model_frees_its_weights_and_generates_the_same(tiny):
+    model, tok = tiny
+    with_adapters(model)
+    expected = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="onednn").generate(requests(tok, False))
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    before = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, tok, max_batch=4, kernels="onednn", owns_model=True)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    kept = [m for m in linears if m.weight.numel()]
+    assert kept == ([model.get_output_embeddings()] if tied else [])  # a tied head stays
+    assert sum(p.numel() for p in model.parameters()) < before
+    got = engine.generate(requests(tok, False))
+    assert [t.completion_ids for t in got] == [t.completion_ids for t in expected]
+    assert [t.logprobs for t in got] == [t.logprobs for t in expected]  # same packed ops, same order
+
+
+def test_rollout_copy_engine_releases_the_copy_not_the_trainer(tiny):
+    model, tok = tiny
+    with_adapters(model)
+    copy_ = rollout_copy(model, torch.float32)
+    Engine(copy_, tok, max_batch=4, kernels="onednn", source=model)
+    assert all(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)  # trainer intact
+    assert not all(m.weight.numel() for m in copy_.modules() if type(m) is torch.nn.Linear)
+
+
+def test_kernel_choice_and_refusals():
+    cpu = torch.device("cpu")
+    assert resolve_kernels("auto", cpu, torch.float32) == "onednn"
+    assert resolve_kernels("torch", cpu, torch.float32) == "torch"
+    assert resolve_kernels("auto", cpu, torch.float16) == "torch"  # no packed fp16 path
+    with pytest.raises(ValueError, match="float16"):
+        resolve_kernels("onednn", cpu, torch.float16)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        resolve_kernels("mkl", cpu, torch.float32)
+    assert resolve_kernels("auto", torch.device("cuda"), torch.float32) == "torch"
+
+
+def test_kv_cache_is_sized_to_the_request_and_grows_by_a_quarter(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=2)
+    ids = tok.encode("Hello", add_special_tokens=False)
+    engine.generate([GenerationRequest(ids, SamplingParams(greedy=True, max_new_tokens=300))])
+    first = engine.cache.capacity
+    assert first == -(-(len(ids) + 300) // 64) * 64  # not the next power of two
+    engine.generate([GenerationRequest(ids, SamplingParams(greedy=True, max_new_tokens=first))])
+    assert engine.cache.capacity == -(-max(len(ids) + first, first + first // 4) // 64) * 64
+
+
+def resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_released_weights_mapped_from_a_file_leave_memory(tmp_path):
+    # a checkpoint's weights are pages of the safetensors file mapped into memory: dropping them must shrink
+    # the resident set; anonymous memory (a weight computed in this process) must be left untouched
+    path = tmp_path / "weights.bin"
+    values = torch.arange(16 * 2**20, dtype=torch.float32)  # 64 MiB
+    values.numpy().tofile(path)
+    del values
+    mapped = torch.from_file(str(path), shared=False, size=16 * 2**20, dtype=torch.float32)
+    assert float(mapped[-1]) == 16 * 2**20 - 1
+    mapped.sum()  # touch every page
+    before = resident_mb()
+    _drop_file_pages(mapped, _file_mappings())
+    assert before - resident_mb() > 48
+    assert float(mapped[12345]) == 12345  # a later read fetches the file's pages again
+    anonymous = torch.full((4 * 2**20,), 7.0)
+    _drop_file_pages(anonymous, _file_mappings())
+    assert bool((anonymous == 7.0).all())
