@@ -63,10 +63,6 @@ class PackedLinears:
         self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.released = False
 
-    @property
-    def nbytes(self) -> int:
-        return sum(m.weight.numel() * m.weight.element_size() for m in self.linears if id(m) in self._packed)
-
     @contextmanager
     def __call__(self) -> Iterator[None]:
         if self.released:  # the packed forwards are installed for good
