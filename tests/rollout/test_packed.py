@@ -68,20 +68,14 @@ def test_linear_layer_equals_f_linear_for_any_row_count():
 def test_engine_onednn_equals_torch_kernels_greedy_and_logprobs(tiny):
     model, tok = tiny
     with_adapters(model)
-    turns = {
-        k: Engine(model, tok, max_batch=4, kernels=k).generate(requests(tok, True))
-        for k in ("torch", "onednn")
-    }
-    sampled = {
-        k: Engine(model, tok, max_batch=4, kernels=k).generate(requests(tok, False))
-        for k in ("torch", "onednn")
-    }
-    for a, b in zip(turns["torch"], turns["onednn"], strict=True):
-        assert a.completion_ids == b.completion_ids  # random tiny models: wide margins, no near ties
-        assert_close_ulps(torch.tensor(b.logprobs), torch.tensor(a.logprobs), 4096, torch.float32)
-    for a, b in zip(sampled["torch"], sampled["onednn"], strict=True):
-        assert a.completion_ids == b.completion_ids
-        assert_close_ulps(torch.tensor(b.logprobs), torch.tensor(a.logprobs), 4096, torch.float32)
+    for greedy in (True, False):
+        torch_turns, onednn_turns = (
+            Engine(model, tok, max_batch=4, kernels=k).generate(requests(tok, greedy))
+            for k in ("torch", "onednn")
+        )
+        for a, b in zip(torch_turns, onednn_turns, strict=True):
+            assert a.completion_ids == b.completion_ids  # random tiny models: wide margins, no near ties
+            assert_close_ulps(torch.tensor(b.logprobs), torch.tensor(a.logprobs), 4096, torch.float32)
 
 
 def test_a_changed_base_weight_is_packed_again(tiny):
