@@ -103,7 +103,8 @@ def child(
     model, tok = rolerl.load_model("default", dtype=dtype)
     ids = prompts(tok, batch)
     flops = decode_flops(model, batch, sum(map(len, ids)) / batch, new)  # before any adapter or packing
-    eos_ids = {tok.eos_token_id, *([model.generation_config.eos_token_id] if eos else [])} - {None}
+    gen_eos = model.generation_config.eos_token_id  # an int, a list (Qwen) or None
+    eos_ids = {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None}
     if side == "hf":
         tok.padding_side = "left"
         enc = tok.pad({"input_ids": ids}, return_tensors="pt")
