@@ -92,7 +92,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kernels = resolve_kernels(kernels, self.device, self.dtype)
-        self.packed = PackedLinears(model, max_batch) if self.kernels == "onednn" else None
+        self.packed = PackedLinears.of(model, max_batch) if self.kernels == "onednn" else None
         if self.packed is not None and (source is not None if owns_model is None else owns_model):
             self.packed.release()
         # every id the head can produce: a model's vocabulary is often padded past its tokenizer's (Qwen3:

@@ -16,6 +16,7 @@ or a generation-only model) keeps the packed copies alone and frees the plain we
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,11 +58,24 @@ class PackedLinears:
     """The model's linear layers, packed once for oneDNN and swapped in for the duration of a block."""
 
     def __init__(self, model: nn.Module, batch_hint: int = 32) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # not a strong reference: `of` keys its table by the model
         self.linears = [m for m in model.modules() if type(m) is nn.Linear]
         self.batch_hint = batch_hint
         self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.released = False
+
+    @classmethod
+    def of(cls, model: nn.Module, batch_hint: int = 32) -> PackedLinears:
+        """The packed linears of `model`, one set per model: engines over the same model (a training run's
+        rollout engine and its evaluation engine) share one packed copy of the weights."""
+        packed = _PER_MODEL.get(model)
+        if packed is None:
+            packed = _PER_MODEL[model] = cls(model, batch_hint)
+        return packed
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
@@ -108,6 +122,9 @@ class PackedLinears:
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
         self._packed[id(m)] = (state, packed)
         return packed
+
+
+_PER_MODEL: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
 
 
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):

@@ -117,6 +117,26 @@ def test_rollout_copy_engine_releases_the_copy_not_the_trainer(tiny):
     assert not all(m.weight.numel() for m in copy_.modules() if type(m) is torch.nn.Linear)
 
 
+def test_engines_over_one_model_share_one_packed_copy(tiny):
+    import gc
+    import weakref
+
+    model, tok = tiny
+    with_adapters(model)
+    first = Engine(model, tok, max_batch=4, kernels="onednn")
+    second = Engine(model, tok, max_batch=8, kernels="onednn")  # e.g. the run's evaluation engine
+    assert first.packed is second.packed
+    other = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="onednn")
+    assert other.packed is not first.packed and other.packed.model is other.model
+    assert [t.completion_ids for t in first.generate(requests(tok, True))] == [
+        t.completion_ids for t in other.generate(requests(tok, True))
+    ]
+    packed = weakref.ref(other.packed)
+    del other
+    gc.collect()
+    assert packed() is None  # the table does not keep a model (or its packed weights) alive
+
+
 def test_kernel_choice_and_refusals():
     cpu = torch.device("cpu")
     assert resolve_kernels("auto", cpu, torch.float32) == "onednn"
@@ -163,3 +183,23 @@ def test_released_weights_mapped_from_a_file_leave_memory(tmp_path):
     anonymous = torch.full((4 * 2**20,), 7.0)
     _drop_file_pages(anonymous, _file_mappings())
     assert bool((anonymous == 7.0).all())
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_decode_attention_equals_sdpa_on_a_strided_cache(groups):
+    """The fp32 decode attention (two matmuls) against fp64 SDPA, on the engine's layout: a view of a
+    longer cache, a per-row additive mask hiding each row's unwritten columns."""
+    from rolerl.rollout.kv import _decode_attention
+
+    torch.manual_seed(0)
+    b, kv_heads, d, capacity, kv = 5, 2, 16, 40, 29
+    cache_k, cache_v = torch.randn(2, b, kv_heads, capacity, d).unbind(0)
+    k, v = cache_k[:, :, :kv], cache_v[:, :, :kv]  # strided, as in the engine
+    q = torch.randn(b, kv_heads, groups, d) * 3
+    lens = torch.tensor([1, 7, 29, 12, 20])
+    mask = torch.zeros(b, 1, 1, kv).masked_fill_(torch.arange(kv) >= lens[:, None, None, None], float("-inf"))
+    got = _decode_attention(q, k, v, mask, d**-0.5)
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    # softmax weights and a d-term sum: a few fp32 ulps of the largest output
+    assert_close_ulps(got.double(), expected, ulps=64, dtype=torch.float32)
+    assert torch.allclose(got[0], v[0, :, :1].expand(kv_heads, groups, d))  # one visible key: its value
