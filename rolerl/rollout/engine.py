@@ -178,6 +178,17 @@ class Engine:
         self.active.clear()
         self.waiting.clear()
 
+    def sleep(self) -> None:
+        """Between rollouts (while the trainer updates): free what only sampling needs, the KV cache and the
+        packed copy of weights that the trainer holds too (`PackedLinears.drop`); the next request
+        allocates and packs them again. A model the engine owns keeps its packed weights (they are its
+        only weights). Refused with requests in flight."""
+        if self.has_work:
+            raise RuntimeError("engine.sleep() with requests in flight")
+        self.cache = None
+        if self.packed is not None:
+            self.packed.drop()
+
     def sync(self) -> dict[str, float]:
         """Copy the trainer's adapter weights into this engine's copy of the model (cast to its dtype);
         nothing when the engine samples from the trainer's own model."""

@@ -81,6 +81,11 @@ class LockstepBackend:
         self._changed.set()
         return await future
 
+    def sleep(self) -> None:
+        """Every engine frees its sampling memory (KV cache, packed weight copies) until the next request."""
+        for engine in self.engines.values():
+            engine.sleep()
+
     def sync(self, policy) -> dict[str, float]:
         """Engines with their own copy of the weights (`rollout.dtype`) take the new adapters."""
         out: dict[str, float] = {}

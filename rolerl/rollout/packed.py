@@ -90,6 +90,12 @@ class PackedLinears:
             for m in self.linears:
                 m.__dict__.pop("forward", None)
 
+    def drop(self) -> None:
+        """Free the packed copies (a model the trainer also runs keeps its plain weights); the next
+        `with packed():` packs again. Nothing to drop once released: the packed copies are the weights."""
+        if not self.released:
+            self._packed.clear()
+
     def release(self) -> int:
         """Pack every layer, install the packed forwards for good and free the plain weights (a weight
         shared with another module, e.g. an LM head tied to the embeddings, is kept). The model then runs

@@ -7,8 +7,10 @@ the GIL inside its kernels), so the event loop stays free to run tools and workf
 
 `RolloutBackend` is the Protocol every backend implements (the built-in engine's, the lockstep one, vLLM's):
 `generate` one call, run an episode's coroutine (`episode`: the lockstep backend tracks which calls
-belong to which episode; the others just await it), `sync` the policy's weights after an optimizer step
-(in-process engines read the trainer's own weights: nothing to do; vLLM loads new adapter versions).
+belong to which episode; the others just await it), `sleep` before an optimizer step (free what only
+sampling needs while the trainer runs: the KV cache, packed copies of the trainer's weights), `sync` the
+policy's weights after it (in-process engines read the trainer's own weights: nothing to do; vLLM loads
+new adapter versions).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class RolloutBackend(Protocol):
     async def generate(self, request: GenerationRequest) -> Turn: ...
 
     async def episode(self, coro: Awaitable[T]) -> T: ...
+
+    def sleep(self) -> None: ...
 
     def sync(self, policy: Any) -> dict[str, float]: ...
 
@@ -70,6 +74,10 @@ class EngineBackend(InProcess):
         """The engine's own copy of the weights, when it has one (`rollout.dtype`), takes the new adapters."""
         return self.engine.sync()
 
+    def sleep(self) -> None:
+        """Free the engine's sampling memory, in its own thread, before any request queued after this."""
+        self._inbox.put(_SLEEP)
+
     def close(self) -> None:
         self._closed = True
         self._inbox.put(None)
@@ -82,6 +90,10 @@ class EngineBackend(InProcess):
                 if item is None:
                     self._fail_all(RuntimeError("backend closed"))
                     return
+                if item is _SLEEP:
+                    if not self.engine.has_work:  # a request in flight wins: sleeping is an optimisation
+                        self.engine.sleep()
+                    continue
                 self._submit(*item)
             if not self.engine.has_work:
                 continue
@@ -117,6 +129,9 @@ class EngineBackend(InProcess):
         self._waiters.clear()
 
 
+_SLEEP = object()  # the inbox's message for `EngineBackend.sleep`
+
+
 def _resolve(future: asyncio.Future, result, error: BaseException | None) -> None:
     if future.done():
         return
@@ -147,6 +162,10 @@ class ModelRouter:
         for backend in self.backends.values():
             out |= backend.sync(policy)
         return out
+
+    def sleep(self) -> None:
+        for backend in self.backends.values():
+            backend.sleep()
 
     def close(self) -> None:
         for backend in self.backends.values():

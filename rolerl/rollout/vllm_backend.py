@@ -163,6 +163,10 @@ class VLLMBackend:
         """Episode scoping (the RL loop runs every episode through its backend's `episode`): nothing to do."""
         return await coro
 
+    def sleep(self) -> None:
+        """Nothing: vLLM manages its own memory (its sleep mode, for a GPU shared with the trainer, is not
+        wired in)."""
+
     def sync(self, policy) -> dict[str, float]:
         """Serve the policy's current adapters (a `Policy`, or the model that holds them): each changed
         adapter is saved and loaded as a new version, old versions no segment uses are unloaded, and the

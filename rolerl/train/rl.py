@@ -304,6 +304,7 @@ def train_step(
     episodes = dist.interleave(mine, len(examples), cfg.rollout.n)  # every rank: the whole step, in order
     if health is not None:
         health.check(step, episodes)
+    backend.sleep()  # the update's activations may take the memory only sampling needed
     t1 = time.perf_counter()
     # 2. rewards (the credit rule) -> advantages over the configured groups, each episode counted once
     credit = turn_rewards(episodes, cfg.algorithm)

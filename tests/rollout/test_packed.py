@@ -203,3 +203,31 @@ def test_decode_attention_equals_sdpa_on_a_strided_cache(groups):
     # softmax weights and a d-term sum: a few fp32 ulps of the largest output
     assert_close_ulps(got.double(), expected, ulps=64, dtype=torch.float32)
     assert torch.allclose(got[0], v[0, :, :1].expand(kv_heads, groups, d))  # one visible key: its value
+
+
+def test_sleep_frees_the_cache_and_the_packed_copy_and_the_next_turns_are_the_same(tiny):
+    model, tok = tiny
+    with_adapters(model)
+    engine = Engine(model, tok, max_batch=4, kernels="onednn")  # the trainer's model: a packed copy
+    first = engine.generate(requests(tok, False))
+    assert engine.cache is not None and engine.packed._packed
+    engine.sleep()
+    assert engine.cache is None and not engine.packed._packed
+    again = engine.generate(requests(tok, False))  # allocates and packs again
+    assert engine.packed._packed
+    assert [t.completion_ids for t in again] == [t.completion_ids for t in first]
+    assert [t.logprobs for t in again] == [t.logprobs for t in first]  # the same ops on the same weights
+    engine.submit(requests(tok, False)[0])
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.sleep()
+
+
+def test_an_owned_model_keeps_its_packed_weights_through_sleep(tiny):
+    model, tok = tiny
+    with_adapters(model)
+    engine = Engine(model, tok, max_batch=4, kernels="onednn", owns_model=True)
+    first = engine.generate(requests(tok, True, n=6))
+    engine.sleep()
+    assert engine.cache is None and engine.packed._packed  # its only weights
+    again = engine.generate(requests(tok, True, n=6))
+    assert [t.completion_ids for t in again] == [t.completion_ids for t in first]

@@ -214,3 +214,36 @@ def test_tensorboard_mirrors_metrics_and_resume_purges_rewritten_steps(tmp_path)
     resumed.close()
     assert scalars() == [(1, pytest.approx(0.1)), (2, pytest.approx(0.5))]
     assert [r["step"] for r in RunDir(tmp_path, tensorboard=False).read_metrics()] == [1, 2]
+
+
+def test_engines_sleep_through_the_update_and_the_run_is_unchanged(tmp_path, monkeypatch):
+    """Before each update the engines free their KV cache and packed weight copies (`backend.sleep`); the
+    next rollout rebuilds them. A run whose engines never sleep gives the same metrics, bit for bit (the
+    lockstep backend is deterministic)."""
+    from rolerl.rollout.engine import Engine
+
+    extra = ("train.steps=2", "rollout.max_new_tokens=8")
+    task = EchoTask()
+    slept = []
+    sleep = Engine.sleep
+    monkeypatch.setattr(Engine, "sleep", lambda self: (sleep(self), slept.append(self.cache is None)))
+    asleep = train(tiny_config(tmp_path / "sleep", *extra), task=task, workflow=SingleTurn(task))
+    monkeypatch.setattr(Engine, "sleep", lambda self: None)
+    awake = train(tiny_config(tmp_path / "awake", *extra), task=task, workflow=SingleTurn(task))
+    assert slept == [True, True]  # once per step
+    got, want = (strip_time(RunDir(d, tensorboard=False).read_metrics()) for d in (asleep, awake))
+    assert got == want
+
+
+def test_the_threaded_backend_sleeps_in_its_engine_thread(tmp_path, monkeypatch):
+    import threading
+
+    from rolerl.rollout.engine import Engine
+
+    threads = []
+    sleep = Engine.sleep
+    record = lambda self: (sleep(self), threads.append(threading.current_thread().name))  # noqa: E731
+    monkeypatch.setattr(Engine, "sleep", record)
+    cfg = tiny_config(tmp_path, "train.steps=2", "rollout.max_new_tokens=8", "rollout.backend=threaded")
+    train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()))  # closing the backend drains its inbox
+    assert threads == ["rolerl-engine"] * 2
