@@ -1,9 +1,9 @@
 """One decode step of the engine, and its attention alone: where the time of a step goes.
 
-`step`: the engine's own forward (packed weights, its KV cache, its attention) over `--batch` rows with
-`--kv` cached positions, one new token each, plus the LM head; median of `--runs` after a warm-up, with the
-decode attention as shipped (two batched matmuls in fp32) and with SDPA, alternating. Also the 211 packed
-linear layers alone on random rows (the GEMM floor of a step).
+`step`: one decode step over `--batch` rows with `--kv` cached positions, one new token each, plus the LM
+head (median of `--runs` after a warm-up): the engine's lean decoder (`rolerl.rollout.decoder`) against HF's
+forward with the engine's attention and packed weights, alternating; then the GEMMs alone (the GEMM floor of
+a step): every linear packed on its own, and packed in the lean decoder's groups (q/k/v and gate/up fused).
 
 `attention`: the decode attention alone on the engine's layout (batch x 3 KV heads x 3 queries, head dim
 64, a strided view of a longer cache, an additive mask): SDPA vs the two matmuls, per number of keys.
@@ -58,44 +58,58 @@ def attention(batch: int, runs: int) -> None:
 
 
 def step(batch: int, kv: int, runs: int) -> None:
+    import copy
+
     import rolerl
-    import rolerl.rollout.kv as kv_module
     from rolerl.rollout.engine import Engine
     from rolerl.rollout.kv import engine_forward, make_batch
+    from rolerl.rollout.packed import PackedLinears, packed_linear
 
     model, tok = rolerl.load_model("default", dtype="float32")
-    engine = Engine(model, tok, max_batch=batch, owns_model=True)
+    engine = Engine(model, tok, max_batch=batch)  # its lean decoder (rolerl.rollout.decoder)
     engine._ensure_cache(kv + 64)
+    twin = copy.deepcopy(model)  # HF's forward with the engine's attention, on its own packed weights
+    twin_packed = PackedLinears(twin, batch)
+    twin_decoder = twin.get_decoder()
     ids = torch.randint(0, 1000, (batch, 1))
 
-    def forward() -> None:
+    def lean() -> None:
         b = make_batch(engine.cache, list(range(batch)), [kv] * batch, 1, [1] * batch)
-        with torch.inference_mode(), engine_forward(model, b), engine.packed():
-            hidden = engine.decoder(
-                input_ids=ids, position_ids=b.positions, use_cache=False
-            ).last_hidden_state
-            engine.lm_head(hidden[:, -1])
-
-    shipped = kv_module._decode_attention
-    results: dict[str, list[float]] = {"matmuls": [], "sdpa": []}
-    for _ in range(2):  # alternate, so that machine drift hits both
-        for name, fn in (("matmuls", shipped), ("sdpa", _sdpa)):
-            kv_module._decode_attention = fn
-            results[name].append(median_ms(forward, runs))
-    kv_module._decode_attention = shipped
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    rows = {m.in_features: torch.randn(batch, m.in_features) for m in linears}
-
-    def gemms() -> None:
         with torch.inference_mode():
+            engine.lean.head(engine.lean(ids, b)[:, -1])
+
+    def hf() -> None:
+        b = make_batch(engine.cache, list(range(batch)), [kv] * batch, 1, [1] * batch)
+        with torch.inference_mode(), engine_forward(twin, b), twin_packed():
+            hidden = twin_decoder(input_ids=ids, position_ids=b.positions, use_cache=False).last_hidden_state
+            twin.lm_head(hidden[:, -1])
+
+    results: dict[str, list[float]] = {"lean decoder": [], "HF forward": []}
+    for _ in range(2):  # alternate, so that machine drift hits both
+        for name, fn in (("lean decoder", lean), ("HF forward", hf)):
+            results[name].append(median_ms(fn, runs))
+    rows = {}
+    for group in engine.packed.groups:
+        rows.setdefault(group[0].in_features, torch.randn(batch, group[0].in_features))
+    weights = engine.packed.weights()
+    linears = [m for m in twin.modules() if type(m) is torch.nn.Linear]
+
+    def gemms_fused() -> None:
+        with torch.inference_mode():
+            for group, (w, bias) in zip(engine.packed.groups, weights, strict=True):
+                packed_linear(rows[group[0].in_features], w, bias)
+
+    def gemms_separate() -> None:
+        with torch.inference_mode(), twin_packed():
             for m in linears:
                 m(rows[m.in_features])
 
     print(describe())
     print(f"batch {batch}, {kv} cached positions, ms per step (median of {runs}, two alternating rounds):")
     for name, ms in results.items():
-        print(f"  decode attention {name:8s} {' / '.join(f'{x:.1f}' for x in ms)}")
-    print(f"  {len(linears)} packed linear layers alone: {median_ms(gemms, runs):.1f}")
+        print(f"  {name:14s} {' / '.join(f'{x:.1f}' for x in ms)}")
+    print(f"  GEMMs alone: {len(linears)} packed linears {median_ms(gemms_separate, runs):.1f}, "
+          f"{len(weights)} fused groups {median_ms(gemms_fused, runs):.1f}")  # fmt: skip
 
 
 def main() -> None:

@@ -184,7 +184,17 @@ class RoutedLoRALinear(nn.Module):
         self.__dict__.pop("_stack_cache", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+        return self._add_adapters(x, self.base_layer(x))
+
+    def adapt_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add the routed adapters' output for input `x` to `y` (this layer's base output, possibly a view
+        into a wider one: the rollout engine runs q/k/v as one GEMM), in place. Without autograd only."""
+        out = self._add_adapters(x, y)
+        if out is not y:
+            y.copy_(out)
+        return y
+
+    def _add_adapters(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         state = self.state
         plan = state.plan(self._carried)
         if plan is None:
@@ -202,7 +212,8 @@ class RoutedLoRALinear(nn.Module):
             return y + self._one_adapter(x, specs[0]).to(y.dtype)
         if self.impl == "gather":
             return self._gather(x, y, used, specs)
-        return y + self._masked(x, used, specs).to(y.dtype)
+        delta = self._masked(x, used, specs).to(y.dtype)
+        return y + delta if torch.is_grad_enabled() else y.add_(delta)
 
     def _one_adapter(self, x: torch.Tensor, spec: AdapterSpec) -> torch.Tensor:
         a, b = self._stacked((spec.name,), x.dtype)

@@ -28,6 +28,7 @@ import torch
 
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
+from rolerl.rollout.decoder import LeanDecoder, lean_support
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch
 from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
@@ -92,7 +93,17 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kernels = resolve_kernels(kernels, self.device, self.dtype)
-        self.packed = PackedLinears.of(model, max_batch) if self.kernels == "onednn" else None
+        # on packed weights, the engine's own forward over Llama-family decoders (rolerl.rollout.decoder);
+        # HF's forward with the engine's attention for any other model, or on `F.linear`
+        self.lean = (
+            LeanDecoder(model, max_batch)
+            if self.kernels == "onednn" and lean_support(model) is None
+            else None
+        )
+        if self.lean is not None:
+            self.packed = self.lean.packed
+        else:
+            self.packed = PackedLinears.of(model, max_batch) if self.kernels == "onednn" else None
         if self.packed is not None and (source is not None if owns_model is None else owns_model):
             self.packed.release()
         # every id the head can produce: a model's vocabulary is often padded past its tokenizer's (Qwen3:
@@ -266,13 +277,18 @@ class Engine:
             n_new.append(n)
         t0 = time.perf_counter()
         batch = make_batch(self.cache, indices, [r.cache_len for r in rows], width, n_new)
-        kernels = self.packed() if self.packed is not None else nullcontext()
-        with torch.inference_mode(), engine_forward(self.model, batch), self._routes(routes), kernels:
-            hidden = self.decoder(
-                input_ids=ids.to(self.device), position_ids=batch.positions, use_cache=False
-            ).last_hidden_state  # (B, T, d)
-            last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
-            logits = self.lm_head(hidden[torch.arange(len(rows), device=self.device), last])  # (B, V)
+        last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
+        with torch.inference_mode(), self._routes(routes):
+            if self.lean is not None:
+                hidden = self.lean(ids.to(self.device), batch)  # (B, T, d)
+                logits = self.lean.head(hidden[torch.arange(len(rows), device=self.device), last])  # (B, V)
+            else:
+                kernels = self.packed() if self.packed is not None else nullcontext()
+                with engine_forward(self.model, batch), kernels:
+                    hidden = self.decoder(
+                        input_ids=ids.to(self.device), position_ids=batch.positions, use_cache=False
+                    ).last_hidden_state
+                    logits = self.lm_head(hidden[torch.arange(len(rows), device=self.device), last])
         if copies:
             at = {i: b for b, i in enumerate(indices)}
             for src, dst in copies:

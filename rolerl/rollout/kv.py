@@ -88,14 +88,18 @@ _current: Batch | None = None
 
 
 def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention interface: write the new keys/values to the engine cache and attend to it.
-
-    query `(B, H, T, D)`, key/value `(B, Hkv, T, D)` after RoPE. Returns `(B, T, H, D)` as HF expects.
-    """
+    """transformers attention interface over the engine's cache (`attend`); HF passes `(B, H, T, D)`."""
     batch = _current
     if batch is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} is only valid inside the rollout engine")
-    layer = module.layer_idx
+    return attend(batch, module.layer_idx, query, key, value, scaling), None
+
+
+def attend(batch: Batch, layer: int, query, key, value, scaling: float | None = None) -> torch.Tensor:
+    """Write the new keys/values of `layer` to the engine cache and attend to it.
+
+    query `(B, H, T, D)`, key/value `(B, Hkv, T, D)` after RoPE (any strides). Returns `(B, T, H, D)`.
+    """
     k_cache, v_cache = batch.cache.k[layer], batch.cache.v[layer]
     rows = batch.slots[:, None]  # (B, 1) broadcast against positions (B, T)
     k_cache[rows, :, batch.writes] = key.transpose(1, 2).to(k_cache.dtype)  # (B, T, Hkv, D)
@@ -114,14 +118,14 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     if t == 1:
         # Decode: the query heads sharing a KV head become that head's "query positions" (HF's repeat_kv
         # maps query head h to KV head h // groups), so grouped-query attention needs no copy of K/V.
-        q = query.view(b, k.shape[1], groups, d)  # (B, Hkv, G, D)
+        q = query.reshape(b, k.shape[1], groups, d)  # (B, Hkv, G, D)
         if q.dtype == torch.float32:
             out = _decode_attention(q, k, v, mask, d**-0.5 if scaling is None else scaling)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (B, Hkv, G, D)
-        return out.reshape(b, 1, heads, d), None
+        return out.reshape(b, 1, heads, d)
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def _decode_attention(q, k, v, mask, scale: float) -> torch.Tensor:

@@ -7,8 +7,9 @@ CPU graphs). Measured on the default model (docs/BENCHMARKS.md): the weight GEMM
 step take 1.6x less time than `F.linear`'s, on AVX-512 and with oneDNN and MKL limited to AVX2 alike.
 
 `PackedLinears(model)` packs every `nn.Linear` of the model (the base layers under routed adapters and
-the LM head; the adapters' small matrices stay as they are) and, inside `with packed():`, runs those
-layers on the packed copies. Inference only: no autograd. A weight that changes (its tensor version or
+the LM head; the adapters' small matrices stay as they are), layers that read one input side by side when
+asked (`groups`: the engine's lean decoder runs q/k/v and gate/up as one GEMM each), and, inside
+`with packed():`, runs those layers on the packed copies. Inference only: no autograd. A weight that changes (its tensor version or
 storage moves, e.g. a trainable base) is packed again on the next entry. The packed copies take as much
 memory as the weights they copy; a model only the engine uses (`release()`: a rollout copy in another dtype,
 or a generation-only model) keeps the packed copies alone and frees the plain weights.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -55,35 +56,65 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 class PackedLinears:
-    """The model's linear layers, packed once for oneDNN and swapped in for the duration of a block."""
+    """The model's linear layers, packed once for oneDNN and swapped in for the duration of a block.
 
-    def __init__(self, model: nn.Module, batch_hint: int = 32) -> None:
+    `groups` packs layers that read the same input as one GEMM (the rollout engine's q/k/v and gate/up:
+    `rolerl.rollout.decoder`): their weights concatenated by output rows. Every other linear is a group of
+    its own. `weights()` gives the packed weight and bias of every group, in order."""
+
+    def __init__(
+        self, model: nn.Module, batch_hint: int = 32, groups: Sequence[Sequence[nn.Linear]] = ()
+    ) -> None:
         self._model = weakref.ref(model)  # not a strong reference: `of` keys its table by the model
         self.linears = [m for m in model.modules() if type(m) is nn.Linear]
+        grouped = {id(m) for g in groups for m in g}
+        self.groups = [tuple(g) for g in groups] + [(m,) for m in self.linears if id(m) not in grouped]
         self.batch_hint = batch_hint
-        self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+        self._packed: dict[tuple[int, ...], tuple[tuple, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.released = False
 
     @classmethod
-    def of(cls, model: nn.Module, batch_hint: int = 32) -> PackedLinears:
+    def of(
+        cls, model: nn.Module, batch_hint: int = 32, groups: Sequence[Sequence[nn.Linear]] = ()
+    ) -> PackedLinears:
         """The packed linears of `model`, one set per model: engines over the same model (a training run's
         rollout engine and its evaluation engine) share one packed copy of the weights."""
         packed = _PER_MODEL.get(model)
         if packed is None:
-            packed = _PER_MODEL[model] = cls(model, batch_hint)
+            packed = _PER_MODEL[model] = cls(model, batch_hint, groups)
         return packed
 
     @property
     def model(self) -> nn.Module:
         return self._model()
 
+    def regroup(self, groups: Sequence[Sequence[nn.Linear]]) -> None:
+        """Pack `groups` together from now on (every other linear alone), e.g. after adapters were injected
+        into the model; nothing to do when they are the groups already."""
+        groups = [tuple(g) for g in groups]
+        grouped = {id(m) for g in groups for m in g}
+        linears = [m for m in self.model.modules() if type(m) is nn.Linear]
+        new = groups + [(m,) for m in linears if id(m) not in grouped]
+        if new == self.groups:
+            return
+        if self.released:
+            raise RuntimeError(
+                "the linear layers of a released model cannot be regrouped (its weights are gone)"
+            )
+        self.linears, self.groups = linears, new
+        self._packed = {k: v for k, v in self._packed.items() if k in {tuple(map(id, g)) for g in new}}
+
+    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """`(packed weight, bias)` of every group, packing again any whose weights changed."""
+        return [self._pack(g) for g in self.groups]
+
     @contextmanager
     def __call__(self) -> Iterator[None]:
+        """Run every linear layer of the model on its packed weights inside the block."""
         if self.released:  # the packed forwards are installed for good
             yield
             return
-        for m in self.linears:  # through __dict__: nn.Module.__setattr__ costs ~1 ms per step here
-            m.__dict__["forward"] = _packed_forward(self._pack(m), m.bias)
+        self._install()
         try:
             yield
         finally:
@@ -109,8 +140,8 @@ class PackedLinears:
         uses = Counter(m.weight.data_ptr() for m in self.linears)
         maps = _file_mappings()
         freed = 0
+        self._install()
         for m in self.linears:
-            m.__dict__["forward"] = _packed_forward(self._pack(m), m.bias)
             if m.weight.data_ptr() not in shared and uses[m.weight.data_ptr()] == 1:
                 freed += m.weight.numel() * m.weight.element_size()
                 _drop_file_pages(m.weight, maps)
@@ -118,28 +149,62 @@ class PackedLinears:
         self.released = True
         return freed
 
-    def _pack(self, m: nn.Linear) -> torch.Tensor:
-        w = m.weight
-        state = (w._version, w.data_ptr())
-        cached = self._packed.get(id(m))
-        if cached is not None and cached[0] == state:
+    def _install(self) -> None:
+        """Each linear's forward on its group's packed weight (a member of a larger group keeps its own
+        columns of the group's output; through __dict__: nn.Module.__setattr__ costs ~1 ms per step here)."""
+        for group in self.groups:
+            weight, bias = self._pack(group)
+            if len(group) == 1:
+                group[0].__dict__["forward"] = _packed_forward(weight, bias)
+                continue
+            lo = 0
+            for m in group:
+                m.__dict__["forward"] = _packed_forward(weight, bias, (lo, lo + m.out_features))
+                lo += m.out_features
+
+    def _pack(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = tuple(id(m) for m in group)
+        state = tuple((m.weight._version, m.weight.data_ptr()) for m in group)
+        cached = self._packed.get(key)
+        if cached is not None and (cached[0] == state or self.released):  # released: the weights are gone
             return cached[1]
         with torch.no_grad():
+            w = group[0].weight if len(group) == 1 else torch.cat([m.weight for m in group])
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
-        self._packed[id(m)] = (state, packed)
-        return packed
+            biases = [m.bias for m in group]
+            if all(b is None for b in biases):
+                bias = None
+            else:
+                bias = torch.cat([
+                    m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in group
+                ])  # fmt: skip
+        self._packed[key] = (state, (packed, bias))
+        return packed, bias
 
 
 _PER_MODEL: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` on a packed weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, columns: tuple[int, int] | None = None):
     linear = torch.ops.mkldnn._linear_pointwise
+    if columns is None:
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return linear(x, weight, bias, "none", [], "")
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return linear(x, weight, bias, "none", [], "")
 
-    return forward
+        return forward
+    lo, hi = columns
+
+    def forward_columns(x: torch.Tensor) -> torch.Tensor:
+        # a layer run alone outside the engine's decoder (a released model): the whole group, then its part
+        return linear(x, weight, bias, "none", [], "")[..., lo:hi].contiguous()
+
+    return forward_columns
 
 
 def _file_mappings() -> list[tuple[int, int]]:

@@ -351,8 +351,8 @@ def test_group_sharing_a_prompt_prefills_it_once_and_equals_solo(tiny):
         GenerationRequest(ids, SamplingParams(seed=7, max_new_tokens=12), route_of=off),
     ]
     widths = []
-    hook = model.get_decoder().register_forward_pre_hook(
-        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward embeds its ids
+        lambda _m, args: widths.append(tuple(args[0].shape))
     )
     engine = Engine(model, tok, max_batch=8)
     turns = engine.generate(reqs)

@@ -1,0 +1,126 @@
+"""The engine's lean decoder (`rolerl.rollout.decoder`) computes what Hugging Face's forward computes: logits
+and cached keys/values against HF's forward in float64 on the three tiny families, with routed adapters
+and mixed per-token routes, through prefill, decode and gathered slots; adapters injected after the
+engine was built are used; a model it does not cover runs HF's forward; a released model still runs its
+own forward on the fused packed weights."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from rolerl.models.lora import routes as routes_ctx
+from rolerl.rollout.decoder import LeanDecoder, lean_support
+from rolerl.rollout.engine import Engine
+from rolerl.rollout.kv import KVCache, engine_forward, make_batch
+from rolerl.rollout.packed import onednn_supported
+from tests.models.test_lora import randomize_adapters
+from tests.rollout.test_packed import requests, with_adapters
+from tests.tolerance import assert_close_ulps
+
+pytestmark = pytest.mark.skipif(
+    not onednn_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
+)
+
+# (slots, cached lengths, new tokens per row): a ragged prefill, a decode step over slots 0..2 (read as a
+# view of the cache), a gathered extend of two rows in another order (tool output spliced), a decode step
+STEPS = [
+    ([0, 1, 2], [0, 0, 0], [5, 3, 4]),
+    ([0, 1, 2], [5, 3, 4], [1, 1, 1]),
+    ([2, 0], [5, 6], [3, 2]),
+    ([0, 1, 2], [8, 4, 8], [1, 1, 1]),
+]
+
+
+def hf_logits(model, cache, ids, routes, batch):
+    with torch.inference_mode(), engine_forward(model, batch), routes_ctx(model, routes):
+        hidden = model.get_decoder()(input_ids=ids, position_ids=batch.positions, use_cache=False)
+        return model.get_output_embeddings()(hidden.last_hidden_state)
+
+
+def lean_logits(decoder, ids, routes, batch):
+    with torch.inference_mode(), routes_ctx(decoder.model, routes):
+        return decoder.head(decoder(ids, batch))
+
+
+def test_lean_decoder_equals_hf_forward_in_float64(tiny):
+    model, _ = tiny
+    with_adapters(model)
+    reference = copy.deepcopy(model).double()
+    decoder = LeanDecoder(model, batch_hint=4)
+    caches = {d: KVCache(model.config, 4, 32, d, "cpu") for d in (torch.float32, torch.float64)}
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for slots, lens, n_new in STEPS:
+        width = max(n_new)
+        ids = torch.randint(0, vocab, (len(slots), width), generator=g)
+        routes = torch.randint(-1, 2, (len(slots), width), generator=g)  # base, adapter a or b per token
+        got = lean_logits(decoder, ids, routes, make_batch(caches[torch.float32], slots, lens, width, n_new))
+        want = hf_logits(
+            reference,
+            caches[torch.float64],
+            ids,
+            routes,
+            make_batch(caches[torch.float64], slots, lens, width, n_new),
+        )
+        for b, n in enumerate(n_new):
+            # two layers of width 64 in fp32 against fp64: a few dozen ulps of the largest logit; 256 leaves
+            # room for other CPUs' kernels (a wrong route, head or position is off by far more)
+            assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
+    for layer in range(model.config.num_hidden_layers):
+        for k32, k64 in ((caches[torch.float32].k[layer], caches[torch.float64].k[layer]),
+                         (caches[torch.float32].v[layer], caches[torch.float64].v[layer])):  # fmt: skip
+            for slot, length in enumerate([9, 5, 9]):
+                assert_close_ulps(k32[slot, :, :length].double(), k64[slot, :, :length], 256, torch.float32)
+
+
+def test_engine_runs_the_lean_decoder_on_packed_kernels_only(tiny):
+    model, tok = tiny
+    assert lean_support(model) is None
+    assert Engine(model, tok, max_batch=4, kernels="onednn").lean is not None
+    assert Engine(model, tok, max_batch=4, kernels="torch").lean is None
+
+
+def test_adapters_injected_after_the_engine_was_built_are_used(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=4, kernels="onednn")
+    unrouted = [dataclasses.replace(r, route_of=None) for r in requests(tok, True)]
+    base = engine.generate(unrouted)
+    with_adapters(model)
+    after = engine.generate(requests(tok, True))
+    fresh = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="torch").generate(requests(tok, True))
+    assert [t.completion_ids for t in after] == [t.completion_ids for t in fresh]
+    assert [t.completion_ids for t in after] != [t.completion_ids for t in base]
+
+
+def test_a_model_it_does_not_cover_runs_hf_forward(tiny):
+    model, tok = tiny
+    with_adapters(model)
+    expected = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="torch").generate(requests(tok, True))
+    layer = model.model.layers[1].mlp
+    layer.down_proj = torch.nn.Sequential(layer.down_proj)  # not a linear: the lean decoder cannot fuse it
+    assert "down_proj is Sequential" in lean_support(model)
+    engine = Engine(model, tok, max_batch=4, kernels="onednn")
+    assert engine.lean is None and engine.packed is not None
+    assert [t.completion_ids for t in engine.generate(requests(tok, True))] == [
+        t.completion_ids for t in expected
+    ]
+
+
+def test_a_released_model_still_runs_its_own_forward(tiny):
+    """The fused q/k/v and gate/up weights replace the plain ones; each projection keeps its columns."""
+    model, tok = tiny
+    with_adapters(model)
+    randomize_adapters(model, seed=1, std=0.2)
+    ids = torch.tensor([tok.encode("The capital of France is", add_special_tokens=False)])
+    with torch.inference_mode(), routes_ctx(model, 1):
+        expected = model(ids).logits
+    Engine(model, tok, max_batch=4, kernels="onednn", owns_model=True)
+    assert model.model.layers[0].self_attn.q_proj.base_layer.weight.numel() == 0
+    with torch.inference_mode(), routes_ctx(model, 1):
+        got = model(ids).logits
+    # another blocking of the same fp32 GEMMs: a few ulps through two layers
+    assert_close_ulps(got, expected, 256, torch.float32)
