@@ -27,6 +27,7 @@ from rolerl.models.load import load_model, resolve_dtype
 from rolerl.models.lora import adapter_specs, add_adapters
 from rolerl.models.tiny import tiny_from_spec
 from rolerl.models.topology import Topology
+from rolerl.train import lean_ops
 from rolerl.train.optim import Optimizer, ParamGroup, adapter_groups
 from rolerl.train.prefix import hidden_at
 from rolerl.types import TrainBatch
@@ -156,6 +157,7 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
             add_adapters(model, mine, rank=ranks, alpha=alphas, target_modules=cfg.adapters.target_modules)
         model.to(device)
         model.eval()  # always: no dropout in rollout or training (a model built from a config starts in train mode)
+        lean_ops.install(model)  # the MLP keeps half the bytes for backward (Llama families; same forward)
         members[name] = Member(model, tokenizer)
     if cfg.adapters.init:
         _warm_start(members, cfg.adapters.init)
