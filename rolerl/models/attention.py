@@ -19,3 +19,51 @@ def attention_implementation(model, name: str) -> Iterator[None]:
     finally:
         for k, c in configs.items():
             c._attn_implementation = saved[k]
+
+
+GROUPED_SDPA = "rolerl_grouped_sdpa"
+
+
+def grouped_sdpa(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """transformers' SDPA attention, except that on CPU, with a mask, grouped K/V heads reach the kernel as
+    they are (`enable_gqa`). transformers repeats K and V per query head whenever a mask is given (CUDA's
+    fused kernels need it), and autograd keeps the repeated copies for backward: 3x the K/V bytes on a
+    model with 3 query heads per KV head. PyTorch's CPU flash kernel takes grouped heads with a mask, forward
+    and backward (the same outputs: the same kernel, reading each KV head once)."""
+    from torch.nn import functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    grouped = key.shape[1] != query.shape[1]
+    if (
+        query.device.type == "cpu"
+        and grouped
+        and attention_mask is not None
+        and query.shape[2] > 1
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+    ):
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=is_causal,
+        **kwargs,
+    )
+
+
+def register_grouped_sdpa() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks transformers builds for SDPA

@@ -140,19 +140,21 @@ class PackedLinears:
         uses = Counter(m.weight.data_ptr() for m in self.linears)
         maps = _file_mappings()
         freed = 0
-        self._install()
-        for m in self.linears:
-            if m.weight.data_ptr() not in shared and uses[m.weight.data_ptr()] == 1:
-                freed += m.weight.numel() * m.weight.element_size()
-                _drop_file_pages(m.weight, maps)
-                m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+        for group in self.groups:  # group by group: the peak is the weights plus one group, not twice them
+            self._install(group)
+            for m in group:
+                if m.weight.data_ptr() not in shared and uses[m.weight.data_ptr()] == 1:
+                    freed += m.weight.numel() * m.weight.element_size()
+                    _drop_file_pages(m.weight, maps)
+                    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         self.released = True
         return freed
 
-    def _install(self) -> None:
+    def _install(self, *groups: tuple[nn.Linear, ...]) -> None:
         """Each linear's forward on its group's packed weight (a member of a larger group keeps its own
-        columns of the group's output; through __dict__: nn.Module.__setattr__ costs ~1 ms per step here)."""
-        for group in self.groups:
+        columns of the group's output; through __dict__: nn.Module.__setattr__ costs ~1 ms per step here).
+        All groups by default."""
+        for group in groups or self.groups:
             weight, bias = self._pack(group)
             if len(group) == 1:
                 group[0].__dict__["forward"] = _packed_forward(weight, bias)

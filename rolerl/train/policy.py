@@ -22,7 +22,7 @@ from rolerl.algorithms import TokenLogprobs, chunked_logprobs
 from rolerl.config import Config, OptimConfig
 from rolerl.hardware import resolve_bf16, resolve_precision
 from rolerl.models.adapters_io import load_adapter
-from rolerl.models.attention import attention_implementation
+from rolerl.models.attention import GROUPED_SDPA, attention_implementation, register_grouped_sdpa
 from rolerl.models.load import load_model, resolve_dtype
 from rolerl.models.lora import adapter_specs, add_adapters
 from rolerl.models.tiny import tiny_from_spec
@@ -273,15 +273,22 @@ EAGER_MAX_LEN = 1024
 
 @contextlib.contextmanager
 def _attention_for(model: nn.Module, ids: torch.Tensor):
-    """Eager attention for short batches under CPU bf16 autocast: SDPA's CPU flash kernel is slow in backward
-    there (8 x 123 tokens on the default model, fwd+bwd, one thread: 7.2 s with SDPA, 5.1-5.4 s eager; in
-    fp32 the two are about equal, and eager's fp32 softmax would cost fp64 its precision). Eager keeps
-    `(B, H, T, T)` scores per layer for backward, so long batches and GPUs keep the model's own kernel."""
-    cpu_bf16 = ids.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-    if not cpu_bf16 or ids.shape[1] > EAGER_MAX_LEN:
+    """The trainer's attention kernel on CPU. Under bf16 autocast, eager attention for short batches: SDPA's
+    CPU flash kernel is slow in backward there (8 x 123 tokens on the default model, fwd+bwd, one thread:
+    7.2 s with SDPA, 5.1-5.4 s eager; in fp32 the two are about equal, and eager's fp32 softmax would cost
+    fp64 its precision). Eager keeps `(B, H, T, T)` scores per layer for backward, so long batches keep SDPA.
+    SDPA on CPU runs as `grouped_sdpa`: grouped K/V heads are not repeated per query head (what autograd
+    keeps for backward shrinks by the K/V copies). GPUs and other implementations keep the model's own."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if ids.device.type != "cpu" or config._attn_implementation != "sdpa":
         yield
         return
-    with attention_implementation(model, "eager"):
+    if torch.is_autocast_enabled("cpu") and ids.shape[1] <= EAGER_MAX_LEN:
+        with attention_implementation(model, "eager"):
+            yield
+        return
+    register_grouped_sdpa()
+    with attention_implementation(model, GROUPED_SDPA):
         yield
 
 

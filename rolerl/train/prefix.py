@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from rolerl.models.attention import GROUPED_SDPA
 from rolerl.models.lora import routes as lora_routes
 from rolerl.roles import KIND_INDEX
 from rolerl.roles import PROMPT as PROMPT_KIND
@@ -53,7 +54,7 @@ def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int
     `batch.routes`, or None when sharing saves nothing or the model's attention cannot take the explicit
     mask it needs."""
     config = model.config
-    if config._attn_implementation not in ("sdpa", "eager"):
+    if config._attn_implementation not in ("sdpa", "eager", GROUPED_SDPA):
         return None  # e.g. flash-attention-2 takes no 4D mask
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
         return None  # sliding-window layers would need their own mask
@@ -140,7 +141,7 @@ def _suffix_mask(model: nn.Module, prompt_len: Tensor, p: int, s: int) -> Tensor
     prompt_keys = k[None, None, :] < prompt_len[:, None, None]  # (B, 1, P+S)
     own_keys = (k[None, :] >= p) & (k[None, :] - p <= j[:, None])  # (S, P+S)
     allowed = (prompt_keys | own_keys[None]).unsqueeze(1)  # (B, 1, S, P+S)
-    if model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation in ("sdpa", GROUPED_SDPA):
         return allowed
     zero = torch.zeros((), device=device)
     return torch.where(allowed, zero, torch.full((), torch.finfo(torch.float32).min, device=device))
