@@ -138,34 +138,3 @@ def describe() -> str:
     if torch.cuda.is_available():
         line += f", {torch.cuda.get_device_name(0)}"
     return line
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's `malloc_trim`, or None (another C library, or not Linux)."""
-    import ctypes
-    import ctypes.util
-
-    if platform.system() != "Linux":
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-def release_free_memory() -> None:
-    """Hand the CPU memory that tensors freed back to the OS (glibc `malloc_trim`; nothing elsewhere).
-
-    glibc serves allocations below its dynamic mmap threshold (which rises to 32 MB once a large block was
-    freed) from heaps that it keeps after `free`: between phases of a step that allocate differently (the
-    rollout's KV cache, each micro-batch's activations) the freed blocks stay resident and fragment, and the
-    process's peak RSS grows far above what is alive (docs/BENCHMARKS.md: 11.7 GB peak against 6.2 GB when
-    every block is returned at once, a 512-token GRPO step). Called between those phases, it costs a few
-    milliseconds and the next phase's first touch of its pages."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

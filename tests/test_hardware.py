@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import platform
 
 import pytest
 import torch
@@ -86,32 +84,3 @@ def test_benchmarks_measure_bf16_only_where_it_is_native(monkeypatch):
     assert hw.fast_dtypes() == ["float32"]
     monkeypatch.setattr(hw, "cpu_info", lambda: AMX)
     assert hw.fast_dtypes() == ["float32", "bfloat16"]
-
-
-def rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
-
-
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
-def test_release_free_memory_returns_freed_heap_pages():
-    """Blocks below the mmap threshold stay in glibc's heap after `free`; trimming hands them back."""
-    import ctypes
-
-    from rolerl.hardware import _malloc_trim, release_free_memory
-
-    assert _malloc_trim() is not None
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    blocks = [libc.malloc(64 * 1024) for _ in range(2048)]  # 128 MB of 64 KB blocks: heap, not mmap
-    keep = blocks[-1]  # one live block at the top: plain top-of-heap trimming cannot return the rest
-    for b in blocks:
-        ctypes.memset(b, 1, 64 * 1024)
-    for b in blocks[:-1]:
-        libc.free(b)
-    before = rss_kb()
-    release_free_memory()
-    after = rss_kb()
-    libc.free(keep)
-    assert before - after > 64 * 1024  # most of the 128 MB is back with the OS

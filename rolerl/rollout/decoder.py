@@ -41,12 +41,16 @@ def lean_support(model) -> str | None:
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
         return f"model_type {kind!r} is not one of {FAMILIES}"
-    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0 or rope.get("partial_rotary_factor", 1.0) != 1.0:
         return "partial rotary embeddings"
     inner = getattr(model, "model", None)
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(inner, name):
             return f"the decoder has no {name!r}"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return f"the LM head is {type(head).__name__}, not a linear"
     for i, layer in enumerate(inner.layers):
         for part, names in _PROJECTIONS.items():
             for name in names:

@@ -26,7 +26,7 @@ from rolerl.algorithms import zero_variance_mask
 from rolerl.config import Config, ConfigError, load_config
 from rolerl.diagnostics.grad_conflict import role_gradients
 from rolerl.eval.harness import held_out
-from rolerl.hardware import release_free_memory, resolve_precision
+from rolerl.hardware import resolve_precision
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.rollout.engine import Engine, rollout_copy
@@ -305,7 +305,6 @@ def train_step(
     if health is not None:
         health.check(step, episodes)
     backend.sleep()  # the update's activations may take the memory only sampling needed
-    release_free_memory()
     t1 = time.perf_counter()
     # 2. rewards (the credit rule) -> advantages over the configured groups, each episode counted once
     credit = turn_rewards(episodes, cfg.algorithm)

@@ -32,7 +32,6 @@ from rolerl.algorithms import KL_ESTIMATORS, AggNorm, aggregate, logp_mismatch, 
 from rolerl.algorithms.losses import tis_weights
 from rolerl.algorithms.weighting import loss_shares, role_share_weights
 from rolerl.config import AlgorithmConfig
-from rolerl.hardware import release_free_memory
 from rolerl.models.lora import adapter_parameters, adapter_specs
 from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
 from rolerl.train.distributed import SINGLE, Dist
@@ -283,8 +282,6 @@ def accumulate_gradients(
         total += float(backward(weighted, mb, norm, s))
         sums.add(float(mb.loss_mask.sum()), metrics)
         logp_all[rows, : width - 1] = logp.to(logp_all.dtype)
-        del weighted, metrics, logp
-        release_free_memory()  # this micro-batch's activations, before the next one allocates its own
         tick()
     return total, sums, logp_all
 

@@ -100,6 +100,9 @@ def test_a_model_it_does_not_cover_runs_hf_forward(tiny):
     model, tok = tiny
     with_adapters(model)
     expected = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="torch").generate(requests(tok, True))
+    headless = copy.deepcopy(model)
+    headless.lm_head = torch.nn.Sequential(headless.lm_head)
+    assert "LM head is Sequential" in lean_support(headless)
     layer = model.model.layers[1].mlp
     layer.down_proj = torch.nn.Sequential(layer.down_proj)  # not a linear: the lean decoder cannot fuse it
     assert "down_proj is Sequential" in lean_support(model)
