@@ -21,7 +21,7 @@ from torch import nn
 
 from rolerl.models.lora import RoutedLoRALinear
 from rolerl.rollout.kv import Batch, attend
-from rolerl.rollout.packed import packed_linear
+from rolerl.rollout.packed import PackedLinears, packed_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _PROJECTIONS = {
@@ -83,8 +83,6 @@ class LeanDecoder:
     `decoder.head(hidden) -> logits`."""
 
     def __init__(self, model, batch_hint: int) -> None:
-        from rolerl.rollout.packed import PackedLinears
-
         reason = lean_support(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")

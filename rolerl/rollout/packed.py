@@ -9,8 +9,8 @@ step take 1.6x less time than `F.linear`'s, on AVX-512 and with oneDNN and MKL l
 `PackedLinears(model)` packs every `nn.Linear` of the model (the base layers under routed adapters and
 the LM head; the adapters' small matrices stay as they are), layers that read one input side by side when
 asked (`groups`: the engine's lean decoder runs q/k/v and gate/up as one GEMM each), and, inside
-`with packed():`, runs those layers on the packed copies. Inference only: no autograd. A weight that changes (its tensor version or
-storage moves, e.g. a trainable base) is packed again on the next entry. The packed copies take as much
+`with packed():`, runs those layers on the packed copies. Inference only: no autograd. A weight that
+changes (its tensor version or storage moves, e.g. a trainable base) is packed again on the next use. The packed copies take as much
 memory as the weights they copy; a model only the engine uses (`release()`: a rollout copy in another dtype,
 or a generation-only model) keeps the packed copies alone and frees the plain weights.
 """
