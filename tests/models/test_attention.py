@@ -40,8 +40,9 @@ def test_grouped_sdpa_equals_sdpa_and_keeps_kv_once(tiny):
     plain = copy.deepcopy(model)
     got, got_grads, got_shapes = forward_backward(model, ids, mask, GROUPED_SDPA)
     want, want_grads, want_shapes = forward_backward(plain, ids, mask, None)
-    # the same CPU flash kernel: the repeated heads hold the same values, read in the same order
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # the same CPU flash kernel over the same values (bit for bit on the CPUs we ran); a few ulps of room in
+    # case another CPU's dispatch blocks grouped heads differently
+    assert_close_ulps(got, want, 8, torch.float32)
     assert got_grads.keys() == want_grads.keys() and got_grads
     for name, g in got_grads.items():
         # backward sums a KV head's gradient over its query heads in another order: fp32 rounding
