@@ -1,13 +1,13 @@
 """The engine's own forward over Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) on packed weights.
 
 The same modules and weights as Hugging Face's forward, in the same order of operations, without the
-layers' plumbing: HF's per-layer keyword passing, mask construction and attention-interface lookup cost a
-quarter of a batch-32 decode step on two cores (docs/BENCHMARKS.md). Per layer, q/k/v run as one GEMM and
+layers' plumbing (per-layer keyword passing, mask construction, the attention-interface lookup: 5-15% of a
+batch-32 decode step on two AVX2 cores, more at batch 8; docs/BENCHMARKS.md). Per layer, q/k/v run as one GEMM and
 gate/up as another (their weights packed side by side, `PackedLinears` groups), and RoPE rotates the query
 and key heads together. Routed adapters add their output to their layer's columns of the fused result
 (`RoutedLoRALinear.adapt_`), so per-token routes work as in the HF forward.
 
-Tests check it against the HF forward with the engine's attention (`kernels: torch`) on the three tiny
+Tests check it against HF's forward with the engine's attention, in float64, on the three tiny
 families, with routed adapters, prefill, decode and gathered slots; a model it does not cover (another
 family, a layer that is not a plain or routed linear) runs HF's forward instead (`lean_support` says why).
 """
