@@ -212,8 +212,13 @@ class AlgorithmConfig(Section):
     kl: Literal["k1", "k3"] = "k3"  # KL estimator to the reference (adapters off)
     beta: float = 0.0  # KL weight; 0 = no reference forward at all
     entropy_coef: float = 0.0  # entropy bonus weight
-    old_logp: Literal["rollout", "recompute"] = "rollout"  # PPO's old log-probs: the engine's or recomputed
-    tis_cap: float | None = None  # truncated importance sampling cap (needs old_logp=recompute); None = off
+    # PPO's old log-probs: the engine's, or recomputed by the trainer; auto = recompute where the rollout
+    # computes otherwise than the trainer (a bf16 rollout copy, bf16 autocast in training, vLLM), else the
+    # engine's (the trainer's weights, the same arithmetic: equal up to kernel rounding, one forward saved)
+    old_logp: Literal["rollout", "recompute", "auto"] = "rollout"
+    # truncated importance sampling cap (needs old_logp=recompute, or auto where that resolves to recompute);
+    # None = off
+    tis_cap: float | None = None
     filter_zero_variance: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
     # A call's reward: outcome = the episode's; role = the call's own (`Turn.reward`), else its role's
     # (`Episode.role_rewards`), else the outcome; mix = mix_alpha x outcome + the call's or role's own (0 if none)
@@ -250,9 +255,9 @@ class AlgorithmConfig(Section):
         self.require(self.clip_c is None or self.clip_c > 1, "clip_c", "None or a number > 1")
         self.require(self.beta >= 0, "beta", "a number >= 0")
         self.require(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "None or a number > 0")
-        if self.tis_cap is not None and self.old_logp != "recompute":
+        if self.tis_cap is not None and self.old_logp == "rollout":
             raise ConfigError(
-                f"algorithm.tis_cap={self.tis_cap} needs algorithm.old_logp='recompute' (TIS reweights "
+                f"algorithm.tis_cap={self.tis_cap} needs algorithm.old_logp='recompute' or 'auto' (TIS reweights "
                 f"rollout samples by trainer/rollout probability); got old_logp={self.old_logp!r}"
             )
 
@@ -298,7 +303,9 @@ class TrainConfig(Section):
     # or AMX; rolerl.hardware), off elsewhere (emulated bf16 is ~45x slower than fp32 on an AVX2 CPU)
     bf16: bool | Literal["auto"] = "auto"
     logprob_chunk: int = 512  # positions per chunk in the log-prob computation
-    share_prefix: bool = True  # compute a prompt shared by several rows (a GRPO group) once per micro-batch
+    # compute a prompt shared by several rows (a GRPO group), or the start all rows' prompts share (the
+    # system prompt of imitation data), once per micro-batch (RL and imitation)
+    share_prefix: bool = True
     # per_minibatch: each mini-batch is one optimizer step of every adapter it touched (an adapter whose role
     # fills k mini-batches takes k steps); merged: each adapter takes one step per PPO epoch, its gradient
     # accumulated over every mini-batch (each mini-batch normalised on its own, as per_minibatch)

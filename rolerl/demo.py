@@ -72,7 +72,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     from rolerl.rollout.engine import Engine
     from rolerl.tools import build_tools
     from rolerl.train.policy import build_policy
-    from rolerl.train.rl import rollout_dtype, train
+    from rolerl.train.rl import resolve_old_logp, rollout_dtype, train
     from rolerl.train.sft import sft
 
     t_start = time.perf_counter()
@@ -91,10 +91,12 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
             f"accuracy); the full demo's measured gains are in {RESULTS_DOC}"
         )
     sampling = rollout_dtype(cfg, policy)
+    old_logp = resolve_old_logp(cfg, policy)[0].algorithm.old_logp
     log(
         f"model {cfg.model.spec} ({cfg.model.dtype}), adapters {policy.adapter_names} rank {cfg.adapters.rank}, "
         f"bf16 training {'on' if policy.bf16 else 'off'}, rollouts in "
-        f"{str(sampling).removeprefix('torch.') if sampling else cfg.model.dtype} ({describe()})"
+        f"{str(sampling).removeprefix('torch.') if sampling else cfg.model.dtype}, PPO's old log-probs "
+        f"{'recomputed' if old_logp == 'recompute' else 'from the rollout'} ({describe()})"
     )
     tools = build_tools(["python"])  # fails now, with what to do, where the sandbox cannot work
     engine = Engine(

@@ -11,6 +11,7 @@ resumed from a checkpoint reproduces the uninterrupted run's metrics exactly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import random
@@ -26,7 +27,7 @@ from rolerl.algorithms import zero_variance_mask
 from rolerl.config import Config, ConfigError, load_config
 from rolerl.diagnostics.grad_conflict import role_gradients
 from rolerl.eval.harness import held_out
-from rolerl.hardware import resolve_precision
+from rolerl.hardware import bf16_choice, resolve_precision
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.rollout.engine import Engine, rollout_copy
@@ -115,6 +116,10 @@ def _train(
     )
     policy = policy if policy is not None else build_policy(cfg, workflow.roles)
     check_roles(cfg, list(policy.route_of))
+    given = cfg  # written as the user gave it: a resume resolves its `auto`s again on its own machine
+    cfg, why = resolve_old_logp(cfg, policy)
+    if given.algorithm.old_logp == "auto":
+        log.info(why)
     params = policy.trainable()
     optimizer = policy.optimizer(cfg.optim)
     seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
@@ -129,7 +134,7 @@ def _train(
         wandb=cfg.run.wandb,
         wandb_entity=cfg.run.wandb_entity,
     ) if dist.main else _NoRun()  # fmt: skip
-    run.write_config(cfg)
+    run.write_config(given)
     health = ToolHealth()
     backend = _backend(cfg, engines, policy)
     backend.sync(policy)  # a backend with its own copy of the weights (vLLM) serves the current adapters
@@ -363,7 +368,7 @@ def loss_settings(cfg: Config, policy: Policy) -> LossSettings:
     coefficients and loss weights."""
     roles = cfg.roles
     return LossSettings(
-        algorithm=cfg.algorithm,
+        algorithm=resolve_old_logp(cfg, policy)[0].algorithm,
         temperature=cfg.rollout.temperature,
         # seq-mean-token-sum-norm's constant: the longest response any role may sample
         horizon=max(
@@ -538,12 +543,40 @@ def rollout_dtype(cfg: Config, policy: Policy) -> torch.dtype | None:
             return None
     dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
     weights = {next(m.model.parameters()).dtype for m in policy.members.values()}
-    if weights != {dtype} and cfg.algorithm.old_logp != "recompute":
+    if weights != {dtype} and cfg.algorithm.old_logp == "rollout":
         raise ConfigError(
             f"rollout.dtype={cfg.rollout.dtype!r} samples in {dtype} while the trainer's weights are "
             f"{sorted(map(str, weights))}: set algorithm.old_logp=recompute (and algorithm.tis_cap, e.g. 2.0)"
         )
     return dtype
+
+
+def resolve_old_logp(cfg: Config, policy: Policy) -> tuple[Config, str]:
+    """`cfg` with `algorithm.old_logp: auto` resolved, and why. `recompute` where the rollout's log-probs come
+    from other arithmetic than the trainer's forward: vLLM's kernels, bf16 autocast in training, a rollout
+    copy in another dtype (`rollout.dtype`); else `rollout`: the engine runs the trainer's own weights in
+    their dtype, so its log-probs equal the recompute up to kernel rounding (~1e-5 in fp32) and the update
+    saves a forward over every row. `tis_cap` applies only where that resolves to `recompute`."""
+    alg = cfg.algorithm
+    if alg.old_logp != "auto":
+        return cfg, f"algorithm.old_logp={alg.old_logp}"
+    weights = {next(m.model.parameters()).dtype for m in policy.members.values()}
+    name = cfg.rollout.dtype
+    if name == "auto":
+        name = "bfloat16" if bf16_choice(policy.device)[0] else "model"
+    if cfg.rollout.backend == "vllm":
+        mode, why = "recompute", "vLLM samples with its own kernels"
+    elif policy.bf16:
+        mode, why = "recompute", "training autocasts to bf16, the rollout does not"
+    elif name != "model" and weights != {getattr(torch, name)}:
+        mode, why = (
+            "recompute",
+            f"the rollout samples from a {name} copy of the {sorted(map(str, weights))} weights",
+        )
+    else:
+        mode, why = "rollout", "the rollout samples from the trainer's own weights with the same arithmetic"
+    resolved = dataclasses.replace(alg, old_logp=mode, tis_cap=alg.tis_cap if mode == "recompute" else None)
+    return dataclasses.replace(cfg, algorithm=resolved), f"algorithm.old_logp=auto -> {mode}: {why}"
 
 
 def _backend(cfg: Config, engines: dict[str, Engine], policy: Policy) -> RolloutBackend:

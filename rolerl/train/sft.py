@@ -181,11 +181,19 @@ def _end_kind(segments: Sequence[tuple[str, str]], tags: Tags) -> str:
 
 
 def sft_loss(
-    model: torch.nn.Module, batch: TrainBatch, norm: AggNorm, chunk_size: int, bf16: bool
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    norm: AggNorm,
+    chunk_size: int,
+    bf16: bool,
+    share_prefix: bool = True,
 ) -> torch.Tensor:
-    """Token-mean NLL over the policy tokens of `batch`, normalised by the whole batch's `norm`."""
+    """Token-mean NLL over the policy tokens of `batch`, normalised by the whole batch's `norm`.
+    `share_prefix`: the start all the rows' prompts have in common (a system prompt) runs once."""
     with autocast(batch.input_ids.device, bf16):
-        logp = token_logprobs(model, batch, temperature=1.0, chunk_size=chunk_size).logp  # (b, T-1)
+        logp = token_logprobs(
+            model, batch, temperature=1.0, chunk_size=chunk_size, share_prefix=share_prefix
+        ).logp  # (b, T-1)
     return aggregate(-logp, batch.loss_mask[:, :-1], "token-mean", norm)
 
 
@@ -291,7 +299,7 @@ def _imitation_step(parts, rows: torch.Tensor, cfg: Config, bf16: bool) -> tuple
         b, size = batch.input_ids.shape[0], cfg.train.micro_batch_size
         for start in range(0, b, size):
             mb = select_rows(batch, range(start, min(start + size, b)))
-            part = sft_loss(model, mb, norm, cfg.train.logprob_chunk, bf16)
+            part = sft_loss(model, mb, norm, cfg.train.logprob_chunk, bf16, cfg.train.share_prefix)
             part.backward()
             loss += float(part.detach())
     return loss, float(norm.num_tokens)

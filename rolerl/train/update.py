@@ -378,10 +378,10 @@ def ppo_update(
     each step and the metrics are merged over ranks.
 
     Rows of all parts are shuffled together; a mini-batch's normaliser (`AggNorm`) and role shares are
-    counted over all its rows. `old_logp: recompute` (or TIS, or several mini-batches) runs one no-grad
-    forward first, so the mismatch to the rollout's log-probs is measured before any update; otherwise the
-    first mini-batches' forwards are that measurement, at no extra cost. `progress(done, total)` is called
-    after each micro-batch forward.
+    counted over all its rows. `old_logp: recompute` (or TIS) runs one no-grad forward first, so the
+    mismatch to the rollout's log-probs is measured on every row before any update; otherwise the first
+    mini-batch's forward (a random share of the rows, before the first optimizer step) is that measurement,
+    at no extra cost. `progress(done, total)` is called after each micro-batch forward.
     """
     alg = s.algorithm
     offsets = [0]
@@ -389,7 +389,7 @@ def ppo_update(
         offsets.append(offsets[-1] + part.batch.input_ids.shape[0])
     roles = [r for part in parts for r in part.batch.roles]
     plan = [schedule.mini_batches_of(torch.arange(offsets[-1]), roles)]  # epoch 0 shape, for the count
-    recompute = alg.old_logp == "recompute" or alg.tis_cap is not None or len(plan[0]) > 1
+    recompute = alg.old_logp == "recompute" or alg.tis_cap is not None
     total_mb = schedule.ppo_epochs * sum(
         math.ceil(len(part.mine(_local(rows, offsets, i))) / micro_batch_size)
         for rows in plan[0] for i, part in enumerate(parts)
@@ -426,10 +426,11 @@ def ppo_update(
         batches = schedule.mini_batches_of(order, roles)
         if schedule.merged:
             optimizer.zero_grad()
-        for rows in batches:
+        for k, rows in enumerate(batches):
             if not schedule.merged:
                 optimizer.zero_grad()
-            measure = not recompute and epoch == 0  # the first forward measures the rollout/trainer mismatch
+            # the forwards before the first optimizer step measure the rollout/trainer mismatch
+            measure = not recompute and epoch == 0 and (k == 0 or schedule.merged)
             loss, mb_sums, hit = _mini_batch(parts, rows, offsets, s, micro_batch_size, tick, measure)
             touched.update(hit)
             losses.append(loss)

@@ -1,6 +1,7 @@
 """Shared-prompt forward == the plain forward: log-probs, entropies and every adapter's gradient, on each
-tiny architecture, with groups of rows sharing prompts of different lengths, two routed adapters, ragged
-completions, and the reference (route -1); plus when sharing must not happen."""
+tiny architecture, with groups of rows sharing prompts of different lengths, or different prompts sharing
+their start, two routed adapters, ragged completions, and the reference (route -1); plus when sharing must
+not happen."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ from tests.models.test_lora import randomize_adapters
 R, C, X, A = REASONING, TOOL_CALL, TOOL_OUTPUT, ANSWER
 
 
-def grouped_batch(route_of, groups=((5, 3), (9, 2), (2, 1)), seed=0):
+def grouped_batch(route_of, groups=((5, 3), (9, 2), (2, 1)), seed=0, system=0):
     """Groups of `(prompt length, rows)`: rows of a group share the prompt, completions differ in length
-    and kinds (tool output included), so prompts and completions are both ragged."""
+    and kinds (tool output included), so prompts and completions are both ragged. `system`: every prompt
+    starts with the same that-many tokens (in the prompt length)."""
     g = torch.Generator().manual_seed(seed)
     pattern = [R, R, C, C, X, X, X, R, A, A, R, R]
     turns = []
+    start = torch.randint(3, 4000, (system,), generator=g).tolist()
     for p_len, rows in groups:
-        prompt = torch.randint(3, 4000, (p_len,), generator=g).tolist()
+        prompt = start + torch.randint(3, 4000, (p_len - system,), generator=g).tolist()
         for i in range(rows):
             kinds = pattern[: 4 + 3 * i + p_len % 3]
             completion = torch.randint(3, 4000, (len(kinds),), generator=g).tolist()
@@ -81,6 +84,38 @@ def test_shared_prefix_equals_plain_forward(arch, attn, tokenizer):
     assert set(g_shared) == set(g_plain) and any("tool" in n for n in g_shared)  # both adapters trained
     for name, g in g_plain.items():  # the adapters are fp32 parameters: their gradients carry fp32 rounding
         torch.testing.assert_close(g_shared[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_different_prompts_share_their_common_start(arch, tokenizer):
+    """Imitation data: every prompt differs, all start with the same system prompt. That start runs once;
+    the values and gradients are the plain forward's."""
+    model, route_of = routed_model(arch, tokenizer, dtype=torch.float64)
+    batch = grouped_batch(route_of, groups=((14, 1), (11, 1), (16, 1), (12, 1)), system=10)
+    calls = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True
+    )
+    shared, g_shared = logprobs_and_grads(model, batch, share=True)
+    hook.remove()
+    # the 10-token start once, then 4 rows of <= 11 own tokens (the plain forward: 4 rows of <= 21)
+    assert calls == [(1, 10), (4, 11)]
+    plain, g_plain = logprobs_and_grads(model, batch, share=False)
+    torch.testing.assert_close(shared.logp, plain.logp, rtol=0, atol=1e-10)
+    mask = batch.loss_mask[:, :-1].bool()
+    torch.testing.assert_close(shared.entropy[mask], plain.entropy[mask], rtol=0, atol=1e-10)
+    assert set(g_shared) == set(g_plain)
+    for name, g in g_plain.items():
+        torch.testing.assert_close(g_shared[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=name)
+    # whole-prompt groups where they save more positions: 4 + 2 rows sharing 14- and 11-token prompts save
+    # 3 x 14 + 11 = 53, the common start 5 x 10 = 50 (with 3 + 2 rows: 39 against 40, the start wins)
+    grouped = grouped_batch(route_of, groups=((14, 4), (11, 2)), system=10)
+    prompt_len, group, firsts = prefix._plan(model, grouped)
+    assert prompt_len.tolist() == [14] * 4 + [11] * 2 and firsts == [0, 4]
+    assert prefix._plan(model, grouped_batch(route_of, groups=((14, 3), (11, 2)), system=10))[2] == [0]
+    # a start routed differently on one row is not common past that position
+    batch.routes[2, 3] = 1 - int(batch.routes[2, 3])
+    assert prefix._plan(model, batch) is None  # 3 common positions: below prefix.MIN_COMMON
 
 
 def test_reference_route_and_bf16_autocast(tokenizer):

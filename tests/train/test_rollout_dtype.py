@@ -1,6 +1,7 @@
 """`rollout.dtype` (issue 19): the engine samples from a bf16 copy of the model while the trainer keeps its
 fp32 weights; the copy's adapters follow the trainer's after every step; the trainer must recompute the
-old log-probs; the mismatch is logged."""
+old log-probs (`algorithm.old_logp: auto` does so exactly where the rollout computes otherwise); the
+mismatch is logged."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 
 import rolerl
-from rolerl.config import ConfigError
+from rolerl.config import ConfigError, load_config
 from rolerl.rollout.engine import Engine, GenerationRequest, rollout_copy
 from rolerl.rollout.sampling import SamplingParams
+from rolerl.train import update
 from rolerl.train.checkpoint import RunDir
-from rolerl.train.rl import train
+from rolerl.train.policy import build_policy
+from rolerl.train.rl import loss_settings, resolve_old_logp, train
 from rolerl.workflows import SingleTurn
 from tests.train.test_rl import tiny_config
 from tests.workflows.test_single_turn import EchoTask
@@ -59,3 +62,40 @@ def test_a_run_with_bf16_rollouts_logs_the_mismatch_and_trains(tmp_path):
     assert len(rows) == 2
     for r in rows:  # bf16 sampling vs the fp32 trainer: a real, bounded mismatch (bf16 has 8 mantissa bits)
         assert 1e-5 < r["logp_mismatch/mean_abs"] < 0.2 and 0.5 < r["logp_mismatch/tis_weight_mean"] < 1.5
+
+
+@pytest.mark.parametrize(
+    ("extra", "want"),
+    [
+        ((), "rollout"),  # fp32 rollouts from the trainer's own weights: the engine's log-probs serve
+        (("rollout.dtype=float32",), "rollout"),  # a copy in the trainer's own dtype: the same arithmetic
+        (("rollout.dtype=bfloat16",), "recompute"),
+        (("train.bf16=true",), "recompute"),  # the trainer autocasts, the rollout does not
+    ],
+)
+def test_auto_old_logp_recomputes_only_where_the_rollout_computes_otherwise(tmp_path, extra, want):
+    cfg = tiny_config(tmp_path, "algorithm.old_logp=auto", "algorithm.tis_cap=2.0", *extra)
+    policy = build_policy(cfg, ["policy"])
+    resolved, why = resolve_old_logp(cfg, policy)
+    assert resolved.algorithm.old_logp == want and f"-> {want}" in why
+    # TIS needs the trainer's log-probs: it stays where they are recomputed, and goes where they are not
+    assert resolved.algorithm.tis_cap == (2.0 if want == "recompute" else None)
+    assert loss_settings(cfg, policy).algorithm == resolved.algorithm
+    explicit = tiny_config(tmp_path, "algorithm.old_logp=recompute", *extra)
+    assert resolve_old_logp(explicit, policy)[0] is explicit, "an explicit choice is never changed"
+
+
+def test_auto_old_logp_run_takes_the_rollouts_log_probs_and_writes_the_users_config(tmp_path, monkeypatch):
+    task = EchoTask()
+    cfg = tiny_config(tmp_path / "c", "train.steps=1", "algorithm.old_logp=auto", "algorithm.tis_cap=2.0",
+                      "train.mini_batches=2")  # fmt: skip
+    calls = []
+    real = update.recompute_logprobs
+    monkeypatch.setattr(update, "recompute_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_dir = train(cfg, task=task, workflow=SingleTurn(task))
+    (row,) = RunDir(run_dir, tensorboard=False).read_metrics()
+    assert not calls, "two mini-batches of fp32 rollouts need no recompute pass"
+    # measured on the first mini-batch, before any optimizer step: fp32 rounding, no TIS
+    assert row["logp_mismatch/max_abs"] < 1e-3 and "logp_mismatch/tis_weight_mean" not in row
+    assert row["optimizer_steps"] == 2.0
+    assert load_config(run_dir / "config.yaml").algorithm.old_logp == "auto"
