@@ -132,16 +132,32 @@ class RouteState:
         return self._masks[key]
 
     def mask(
-        self, layout: tuple[int, ...], ranks: Sequence[int], scalings: Sequence[float], like: torch.Tensor
+        self,
+        layout: tuple[int, ...],
+        ranks: Sequence[int],
+        scalings: Sequence[float],
+        like: torch.Tensor,
+        merged: int | None = None,
     ):
-        """Per-token rank mask `(N, R)`: `scaling_k` on the ranks of the token's adapter, 0 elsewhere."""
-        key = (*layout, like.dtype, like.device)
+        """Per-token rank mask `(N, R)`: `scaling_k` on the ranks of the token's adapter, 0 elsewhere.
+        `merged`: that adapter's weights are already in the base weight (the rollout engine's packed copy),
+        so its ranks carry `-scaling` on every token routed elsewhere and 0 on its own tokens."""
+        key = (*layout, like.dtype, like.device, merged)
         if key not in self._masks:
-            route = self.route.reshape(-1).to(like.device)  # (N,)
+            route = self.route
+            route = (
+                route.reshape(-1).to(like.device)
+                if isinstance(route, torch.Tensor)
+                else torch.tensor([route])
+            )
             owner = torch.repeat_interleave(torch.tensor(layout, device=like.device), torch.tensor(ranks))
             scale = torch.repeat_interleave(torch.tensor(scalings, device=like.device), torch.tensor(ranks))
             hit = route[:, None] == owner[None, :]  # (N, R)
-            self._masks[key] = torch.where(hit, scale.to(like.dtype), torch.zeros((), dtype=like.dtype))
+            zero = torch.zeros((), dtype=like.dtype)
+            mask = torch.where(hit, scale.to(like.dtype), zero)
+            if merged is not None:
+                mask = mask - torch.where(owner == merged, scale.to(like.dtype), zero)
+            self._masks[key] = mask
         return self._masks[key]
 
 
@@ -267,6 +283,90 @@ class RoutedLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"adapters={list(self.lora_A)}"
+
+
+class FusedAdapters:
+    """The routed adapters of layers whose base outputs are columns of one fused GEMM (the rollout engine's
+    q/k/v and gate/up, `rolerl.rollout.decoder`), applied as one pair of GEMMs: `y += (x A^T * mask) B^T`
+    with the layers' A stacked by rows and each layer's B in its own rows of a block matrix. Per layer that
+    is `adapt_`'s arithmetic (a zero block adds exact zeros); per step it is 2 small GEMMs and one add per
+    group instead of 2 and one per layer. Without autograd only; stacked weights are cached until a
+    weight changes (tensor versions).
+
+    `merged`: the adapter whose weights the base weights already hold (`PackedLinears.merge_adapter`): a
+    forward whose tokens all use it adds nothing, any other token subtracts it and adds its own."""
+
+    def __init__(self, members: Sequence[tuple[RoutedLoRALinear, int, int]], width: int) -> None:
+        self.members = list(members)  # (layer, first column, end column) in the fused output
+        self.width = width  # the fused output's columns
+        self._cache: tuple | None = None
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor, merged: int | None = None) -> torch.Tensor:
+        """Add the routed adapters' output for input `x` to the fused output `y` (..., width) in place."""
+        if not self.members:
+            return y
+        state = self.members[0][0].state
+        plans = []
+        for m, lo, hi in self.members:
+            plan = m.state.plan(m._carried)
+            used, specs = list(plan[0]) if plan else [], list(plan[1]) if plan else []
+            if merged is not None and state.names[merged] in m._carried and merged not in used:
+                used, specs = [*used, merged], [*specs, state.adapters[state.names[merged]]]  # to subtract
+            if used:
+                plans.append((m, lo, hi, used, specs))
+        uniform = state.uniform()
+        if not plans or (merged is not None and uniform and state.used() == [merged]):
+            return y
+        if any(s.dropout > 0 for *_, specs in plans for s in specs):
+            if merged is not None:
+                raise RuntimeError("an adapter with dropout cannot be merged into the base weights")
+            for m, lo, hi, *_ in plans:  # each adapter's own dropout of x: the layers one by one
+                m.adapt_(x, y[..., lo:hi])
+            return y
+        if isinstance(state.route, torch.Tensor) and state.route.shape != x.shape[:-1]:
+            raise ValueError(
+                f"route shape {tuple(state.route.shape)} does not match the input's (B, T) = "
+                f"{tuple(x.shape[:-1])}; pass one route per token"
+            )
+        plain = uniform and merged is None  # one adapter on every token: its scaling folded into B
+        a, b = self._stacked(plans, x.dtype, plain)
+        h = F.linear(x, a)  # (..., R): every layer's ranks of every adapter it adds
+        if not plain:
+            layout = [(i, spec) for *_, used, specs in plans for i, spec in zip(used, specs, strict=True)]
+            mask = state.mask(
+                tuple(i for i, _ in layout), [s.rank for _, s in layout], [s.scaling for _, s in layout], h,
+                merged=merged,
+            )  # fmt: skip
+            h = h * (mask.view(*h.shape) if mask.shape[0] == h[..., 0].numel() else mask[0])
+        return y.add_(F.linear(h, b).to(y.dtype))
+
+    def _stacked(self, plans, dtype: torch.dtype, scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`A (R, in)` and the block matrix `B (width, R)`; `scaled`: the one adapter's scaling in B."""
+        key = (tuple((id(m), tuple(used)) for m, _, _, used, _ in plans), dtype, scaled)
+        params = [
+            p for m, _, _, _, specs in plans for s in specs for p in (m.lora_A[s.name], m.lora_B[s.name])
+        ]
+        versions = [(p._version, p.data_ptr()) for p in params]
+        if self._cache is not None and self._cache[:2] == (key, versions):
+            return self._cache[2]
+        blocks_a, placed, rank = [], [], 0
+        for m, lo, hi, _, specs in plans:
+            for s in specs:
+                blocks_a.append(m.lora_A[s.name].detach().to(dtype))
+                placed.append((lo, hi, rank, s, m.lora_B[s.name].detach().to(dtype)))
+                rank += s.rank
+        a = torch.cat(blocks_a)
+        b = torch.zeros(self.width, rank, dtype=dtype, device=a.device)
+        for lo, hi, at, s, weight in placed:
+            b[lo:hi, at : at + s.rank] = weight * s.scaling if scaled else weight  # as `_stacked`
+        self._cache = (key, versions, (a, b))
+        return a, b
+
+
+def merged_delta(layer: RoutedLoRALinear, name: str) -> torch.Tensor:
+    """`scaling * B @ A` of adapter `name` on `layer` `(out, in)`: what merging it adds to the base weight."""
+    spec = layer.state.adapters[name]
+    return (layer.lora_B[name].detach() * spec.scaling) @ layer.lora_A[name].detach()
 
 
 def _stack(params: list[torch.Tensor], k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,9 @@ layers' plumbing (per-layer keyword passing, mask construction, the attention-in
 batch-32 decode step on two AVX2 cores, more at batch 8; docs/BENCHMARKS.md). Per layer, q/k/v run as one GEMM and
 gate/up as another (their weights packed side by side, `PackedLinears` groups), and RoPE rotates the query
 and key heads together. Routed adapters add their output to their layer's columns of the fused result
-(`RoutedLoRALinear.adapt_`), so per-token routes work as in the HF forward.
+(`FusedAdapters`: one pair of small GEMMs per fused group), so per-token routes work as in the HF
+forward; an adapter that every token of a rollout uses is merged into the packed weights instead
+(`LeanDecoder._merged`), and only tokens routed elsewhere pay for adapters.
 
 Tests check it against HF's forward with the engine's attention, in float64, on the three tiny
 families, with routed adapters, prefill, decode and gathered slots; a model it does not cover (another
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rolerl.models.lora import RoutedLoRALinear
+from rolerl.models.lora import FusedAdapters, RoutedLoRALinear
 from rolerl.rollout.kv import Batch, attend
 from rolerl.rollout.packed import PackedLinears, packed_linear
 
@@ -71,11 +73,11 @@ class _Layer:
     k_norm: nn.Module | None
     act: nn.Module
     scaling: float
-    # routed layers whose adapters add into columns [lo, hi) of a fused GEMM's output
-    qkv_adapters: list[tuple[RoutedLoRALinear, int, int]]
-    o_adapter: RoutedLoRALinear | None
-    gate_up_adapters: list[tuple[RoutedLoRALinear, int, int]]
-    down_adapter: RoutedLoRALinear | None
+    # the routed layers of each GEMM (q/k/v, o, gate/up, down), adding into their columns of its output
+    qkv_adapters: FusedAdapters
+    o_adapter: FusedAdapters
+    gate_up_adapters: FusedAdapters
+    down_adapter: FusedAdapters
 
 
 class LeanDecoder:
@@ -124,7 +126,7 @@ class LeanDecoder:
                 _Layer(
                     i, layer.input_layernorm, layer.post_attention_layernorm,
                     getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), mlp.act_fn,
-                    float(attn.scaling), _columns((q, k, v)), _routed(o), _columns((gate, up)), _routed(down),
+                    float(attn.scaling), _adapters(q, k, v), _adapters(o), _adapters(gate, up), _adapters(down),
                 )
             )  # fmt: skip
         self.groups.append((self.model.get_output_embeddings(),))
@@ -135,6 +137,7 @@ class LeanDecoder:
                 raise RuntimeError(f"the engine's model changed: {lean_support(self.model)}")
             self._plan()
             self.packed.regroup(self.groups)
+        merged = self._merged()
         weights = self.packed.weights()
         n = len(self.layers)
         self._head = weights[4 * n]
@@ -152,9 +155,7 @@ class LeanDecoder:
         for layer in self.layers:
             qkv_w, o_w, gu_w, down_w = weights[4 * layer.index : 4 * layer.index + 4]
             h = layer.norm1(x)
-            qkv = packed_linear(h, *qkv_w)  # (B, T, (hq + 2 hkv) D)
-            for m, lo, hi in layer.qkv_adapters:
-                m.adapt_(h, qkv[..., lo:hi])
+            qkv = layer.qkv_adapters.add_(h, packed_linear(h, *qkv_w), merged)  # (B, T, (hq + 2 hkv) D)
             qkv = qkv.view(b, t, hq + 2 * hkv, d)
             if layer.q_norm is not None:
                 q, k = rope(layer.q_norm(qkv[:, :, :hq])), rope(layer.k_norm(qkv[:, :, hq : hq + hkv]))
@@ -166,36 +167,40 @@ class LeanDecoder:
                 batch, layer.index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layer.scaling
             )
             h = out.reshape(b, t, hq * d)
-            a = packed_linear(h, *o_w)
-            if layer.o_adapter is not None:
-                layer.o_adapter.adapt_(h, a)
-            x = x + a  # HF: residual + output
+            x = x + layer.o_adapter.add_(h, packed_linear(h, *o_w), merged)  # HF: residual + output
             h = layer.norm2(x)
-            gu = packed_linear(h, *gu_w)  # (B, T, 2 I)
-            for m, lo, hi in layer.gate_up_adapters:
-                m.adapt_(h, gu[..., lo:hi])
+            gu = layer.gate_up_adapters.add_(h, packed_linear(h, *gu_w), merged)  # (B, T, 2 I)
             inner = gu.shape[-1] // 2
             h = layer.act(gu[..., :inner]).mul_(gu[..., inner:])
-            a = packed_linear(h, *down_w)
-            if layer.down_adapter is not None:
-                layer.down_adapter.adapt_(h, a)
-            x = x + a
+            x = x + layer.down_adapter.add_(h, packed_linear(h, *down_w), merged)
         return self.norm(x)
+
+    def _merged(self) -> int | None:
+        """The index of the adapter merged into the packed weights (None: the plain base weights). The first
+        forward after the packed copy was (re)built whose tokens all use one adapter merges that one into
+        it: a rollout of one policy adapter then runs no adapter GEMMs at all (~20% of a batch-16 decode
+        step with a rank-16 adapter on every linear, docs/BENCHMARKS.md). It stays until the copy is dropped
+        (`Engine.sleep`) or regrouped; other routes subtract it (`FusedAdapters`)."""
+        packed, state = self.packed, getattr(self.model, "_rolerl_route_state", None)
+        if state is None:
+            return None
+        if packed.merged is None and not packed.released and state.uniform():
+            name = state.names[state.used()[0]]
+            if state.adapters[name].dropout == 0:
+                packed.merge_adapter(name)
+        return state.names.index(packed.merged) if packed.merged in state.adapters else None
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on the packed weight of the last forward."""
         return packed_linear(hidden, *self._head)
 
 
-def _routed(m: nn.Module) -> RoutedLoRALinear | None:
-    return m if isinstance(m, RoutedLoRALinear) else None
-
-
-def _columns(modules) -> list[tuple[RoutedLoRALinear, int, int]]:
+def _adapters(*modules: nn.Module) -> FusedAdapters:
+    """The routed layers among `modules` (one fused GEMM's members, in column order) and their columns."""
     out, lo = [], 0
     for m in modules:
         hi = lo + _base(m).out_features
         if isinstance(m, RoutedLoRALinear):
             out.append((m, lo, hi))
         lo = hi
-    return out
+    return FusedAdapters(out, lo)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -37,6 +37,9 @@ from rolerl.tools.base import Tool
 from rolerl.types import Turn
 
 log = logging.getLogger(__name__)
+
+# fresh prompts starting alike on fewer positions prefill them each (not worth a forward of its own)
+MIN_COMMON_START = 8
 
 
 class _Row(Recorder):
@@ -244,7 +247,8 @@ class Engine:
 
     def _extend(self, indices: list[int]) -> None:
         """Prefill prompts and splice tool output. Rows with the same fresh prompt (ids and routes: the `n`
-        samples of a GRPO group) run it once; the others copy its cache and sample from its logits."""
+        samples of a GRPO group) run it once; the others copy its cache and sample from its logits. Distinct
+        fresh prompts that start alike (a system prompt) run that start once (`_prefill_common_start`)."""
         first: dict[tuple, int] = {}
         computed, copies = [], []
         for i in indices:
@@ -255,6 +259,7 @@ class Engine:
             else:
                 first[key] = i
                 computed.append(i)
+        self._prefill_common_start(computed)
         self._forward_and_sample(computed, copies=copies)
 
     def _forward_and_sample(
@@ -266,29 +271,9 @@ class Engine:
         cache and logits, then samples with its own seed."""
         rows = [self.active[i] for i in indices]
         live = [sample_rows is None or i in sample_rows for i in indices]
-        width = max(len(r.pending) if ok else 1 for r, ok in zip(rows, live, strict=True))
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        routes = torch.full((len(rows), width), -1, dtype=torch.long)
-        n_new = []
-        for b, (row, ok) in enumerate(zip(rows, live, strict=True)):
-            n = len(row.pending) if ok else 0
-            ids[b, :n] = torch.tensor(row.pending[:n], dtype=torch.long)
-            routes[b, :n] = torch.tensor(row.pending_routes[:n], dtype=torch.long)
-            n_new.append(n)
+        feeds = [(r.pending, r.pending_routes) if ok else ([], []) for r, ok in zip(rows, live, strict=True)]
         t0 = time.perf_counter()
-        batch = make_batch(self.cache, indices, [r.cache_len for r in rows], width, n_new)
-        last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
-        with torch.inference_mode(), self._routes(routes):
-            if self.lean is not None:
-                hidden = self.lean(ids.to(self.device), batch)  # (B, T, d)
-                logits = self.lean.head(hidden[torch.arange(len(rows), device=self.device), last])  # (B, V)
-            else:
-                kernels = self.packed() if self.packed is not None else nullcontext()
-                with engine_forward(self.model, batch), kernels:
-                    hidden = self.decoder(
-                        input_ids=ids.to(self.device), position_ids=batch.positions, use_cache=False
-                    ).last_hidden_state
-                    logits = self.lm_head(hidden[torch.arange(len(rows), device=self.device), last])
+        logits = self._forward(indices, feeds)
         if copies:
             at = {i: b for b, i in enumerate(indices)}
             for src, dst in copies:
@@ -312,6 +297,70 @@ class Engine:
             row.cache_len += len(row.pending)
             row.pending, row.pending_routes = [], []
             self._accept(row, token, logp)
+
+    def _forward(self, indices: list[int], feeds: Sequence[tuple[list[int], list[int]]]) -> torch.Tensor:
+        """One forward over the active rows `indices`, row `b` appending `feeds[b]` (token ids, their
+        routes; empty: a dummy position that writes nowhere) to its cache; `(B, V)` logits at each row's
+        last fed position."""
+        rows = [self.active[i] for i in indices]
+        n_new = [len(fed) for fed, _ in feeds]
+        width = max(max(n_new), 1)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        # pads and dummies write to the scratch column and are never read: routed like the most common real
+        # position, so a forward whose real tokens share one adapter stays uniform (the adapters' plain path)
+        real = Counter(r for _, fed_routes in feeds for r in fed_routes)
+        routes = torch.full((len(rows), width), real.most_common(1)[0][0] if real else -1, dtype=torch.long)
+        for b, (fed, fed_routes) in enumerate(feeds):
+            ids[b, : len(fed)] = torch.tensor(fed, dtype=torch.long)
+            routes[b, : len(fed)] = torch.tensor(fed_routes, dtype=torch.long)
+        batch = make_batch(self.cache, indices, [r.cache_len for r in rows], width, n_new)
+        last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
+        with torch.inference_mode(), self._routes(routes):
+            if self.lean is not None:
+                hidden = self.lean(ids.to(self.device), batch)  # (B, T, d)
+                return self.lean.head(hidden[torch.arange(len(rows), device=self.device), last])  # (B, V)
+            kernels = self.packed() if self.packed is not None else nullcontext()
+            with engine_forward(self.model, batch), kernels:
+                hidden = self.decoder(
+                    input_ids=ids.to(self.device), position_ids=batch.positions, use_cache=False
+                ).last_hidden_state
+                return self.lm_head(hidden[torch.arange(len(rows), device=self.device), last])
+
+    def _prefill_common_start(self, indices: list[int]) -> None:
+        """Fresh prompts of the active rows `indices` that start alike (ids and routes over at least
+        `MIN_COMMON_START` positions: a system prompt, one per role) run that start once, on one row of
+        each such set, all sets in one forward; the other rows copy its keys and values, so each row's own
+        forward feeds only the rest of its prompt (every row keeps at least one token to sample from)."""
+        sets: dict[tuple, list[_Row]] = {}
+        for i in indices:
+            row = self.active[i]
+            if row.cache_len == 0 and len(row.pending) > MIN_COMMON_START:
+                key = (tuple(row.pending[:MIN_COMMON_START]), tuple(row.pending_routes[:MIN_COMMON_START]))
+                sets.setdefault(key, []).append(row)
+        starts = []  # (the rows of a set, the length of their common start)
+        for rows in sets.values():
+            if len(rows) > 1:
+                first, n = rows[0], min(len(r.pending) for r in rows) - 1
+                for r in rows[1:]:
+                    n = next((j for j in range(MIN_COMMON_START, n) if (r.pending[j], r.pending_routes[j]) !=
+                              (first.pending[j], first.pending_routes[j])), n)  # fmt: skip
+                starts.append((rows, n))
+        if not starts:
+            return
+        t0 = time.perf_counter()
+        slot = {id(row): i for i, row in enumerate(self.active)}
+        self._forward(
+            [slot[id(rows[0])] for rows, _ in starts],
+            [(rows[0].pending[:n], rows[0].pending_routes[:n]) for rows, n in starts],
+        )
+        for rows, n in starts:
+            for row in rows:
+                if row is not rows[0]:
+                    self.cache.move(slot[id(rows[0])], slot[id(row)], n)
+                row.fed_routes.extend(row.pending_routes[:n])
+                row.cache_len = n
+                row.pending, row.pending_routes = row.pending[n:], row.pending_routes[n:]
+        self.stats["forward_s"] += time.perf_counter() - t0
 
     def _routes(self, routes: torch.Tensor):
         if getattr(self.model, "_rolerl_route_state", None) is None:

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from rolerl.models.lora import RoutedLoRALinear, merged_delta
+
 KERNELS = ("auto", "onednn", "torch")
 
 
@@ -72,6 +74,8 @@ class PackedLinears:
         self.batch_hint = batch_hint
         self._packed: dict[tuple[int, ...], tuple[tuple, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.released = False
+        self.merged: str | None = None  # the adapter whose weights the packed weights hold (`merge_adapter`)
+        self._routed: dict[int, RoutedLoRALinear] = {}  # id(base linear) -> the routed layer wrapping it
 
     @classmethod
     def of(
@@ -103,6 +107,21 @@ class PackedLinears:
             )
         self.linears, self.groups = linears, new
         self._packed = {k: v for k, v in self._packed.items() if k in {tuple(map(id, g)) for g in new}}
+        self.merged = None  # the adapters may have changed with the layers
+
+    def merge_adapter(self, name: str | None) -> None:
+        """Pack adapter `name` into the base weights of the layers that carry it (`W + scaling * B @ A`, in
+        the weights' dtype), None = the plain base weights; re-packed whenever that adapter's weights change.
+        Only for a caller that subtracts it from tokens routed elsewhere (`FusedAdapters`, the engine's lean
+        decoder); never on a released model (its plain weights are gone)."""
+        if name == self.merged:
+            return
+        if name is not None and self.released:
+            raise RuntimeError("a released model's packed weights cannot take a merged adapter")
+        self.merged = name
+        self._routed = {
+            id(m.base_layer): m for m in self.model.modules() if isinstance(m, RoutedLoRALinear)
+        } if name is not None else {}  # fmt: skip
 
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """`(packed weight, bias)` of every group, packing again any whose weights changed."""
@@ -114,6 +133,10 @@ class PackedLinears:
         if self.released:  # the packed forwards are installed for good
             yield
             return
+        if self.merged is not None:  # the routed layers would add it a second time
+            raise RuntimeError(
+                f"adapter {self.merged!r} is merged into the packed weights: lean decoder only"
+            )
         self._install()
         try:
             yield
@@ -126,6 +149,7 @@ class PackedLinears:
         `with packed():` packs again. Nothing to drop once released: the packed copies are the weights."""
         if not self.released:
             self._packed.clear()
+            self.merged = None  # the next rollout chooses again, at no extra cost
 
     def release(self) -> int:
         """Pack every layer, install the packed forwards for good and free the plain weights (a weight
@@ -167,11 +191,22 @@ class PackedLinears:
     def _pack(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = tuple(id(m) for m in group)
         state = tuple((m.weight._version, m.weight.data_ptr()) for m in group)
+        carriers = [self._carrier(m) for m in group] if self.merged is not None else []
+        if any(carriers):  # the merged adapter's weights too
+            state += (self.merged, *((p._version, p.data_ptr()) for c in carriers if c for p in c))
         cached = self._packed.get(key)
         if cached is not None and (cached[0] == state or self.released):  # released: the weights are gone
             return cached[1]
         with torch.no_grad():
             w = group[0].weight if len(group) == 1 else torch.cat([m.weight for m in group])
+            if any(carriers):  # W + scaling * B @ A on the carriers' rows, W alone elsewhere
+                deltas = [
+                    merged_delta(self._routed[id(m)], self.merged).to(w.dtype)
+                    if c
+                    else torch.zeros_like(m.weight)
+                    for m, c in zip(group, carriers, strict=True)
+                ]
+                w = w + torch.cat(deltas)
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
             biases = [m.bias for m in group]
             if all(b is None for b in biases):
@@ -182,6 +217,13 @@ class PackedLinears:
                 ])  # fmt: skip
         self._packed[key] = (state, (packed, bias))
         return packed, bias
+
+    def _carrier(self, m: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The merged adapter's A and B on the routed layer wrapping `m`, if it carries that adapter."""
+        routed = self._routed.get(id(m))
+        if routed is None or self.merged not in routed.lora_A:
+            return None
+        return routed.lora_A[self.merged], routed.lora_B[self.merged]
 
 
 _PER_MODEL: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()

@@ -12,8 +12,9 @@ import dataclasses
 import pytest
 import torch
 
+import rolerl
 from rolerl.models.lora import routes as routes_ctx
-from rolerl.rollout.decoder import LeanDecoder, lean_support
+from rolerl.rollout.decoder import LeanDecoder, _adapters, lean_support
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch
 from rolerl.rollout.packed import onednn_supported
@@ -127,3 +128,81 @@ def test_a_released_model_still_runs_its_own_forward(tiny):
         got = model(ids).logits
     # another blocking of the same fp32 GEMMs: a few ulps through two layers
     assert_close_ulps(got, expected, 256, torch.float32)
+
+
+def test_fused_adapters_equal_each_layers_own_adapters(tiny):
+    """q/k/v as one pair of adapter GEMMs: adapters on q and v only (k a plain linear, a zero block of its
+    columns), two adapters of different ranks, per-token routes mixing them and the base, one adapter on
+    every token, no adapter at all; a changed adapter weight is picked up (the stacked copy is rebuilt)."""
+    model, _ = tiny
+    rolerl.add_adapters(model, ["a", "b"], rank={"a": 4, "b": 2}, target_modules=["q_proj", "v_proj"])
+    randomize_adapters(model, std=0.2)
+    attn = model.model.layers[0].self_attn
+    fused = _adapters(attn.q_proj, attn.k_proj, attn.v_proj)
+    assert [(lo, hi) for _, lo, hi in fused.members] == [(0, 64), (96, 128)]  # tiny: 4 q heads, 2 kv of 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, attn.q_proj.in_features, generator=g)
+    base = torch.randn(3, 5, fused.width, generator=g)
+    mixed = torch.randint(-1, 2, (3, 5), generator=g)
+
+    def one_by_one():
+        y = base.clone()
+        for m, lo, hi in fused.members:
+            m.adapt_(x, y[..., lo:hi])
+        return y
+
+    for route in (mixed, 0, 1, -1, "changed"):
+        if route == "changed":
+            with torch.no_grad():
+                attn.v_proj.lora_B["b"].add_(0.5)
+            route = mixed
+        with torch.inference_mode(), routes_ctx(model, route):
+            got, want = fused.add_(x, base.clone()), one_by_one()
+        assert_close_ulps(got, want, 16, torch.float32)
+        if isinstance(route, int) and route < 0:
+            assert torch.equal(got, base)
+        else:
+            assert torch.equal(got[..., 64:96], base[..., 64:96]), (
+                "k has no adapter: its columns stay the base's"
+            )
+            assert not torch.equal(got, base)
+
+
+def test_an_adapter_every_token_uses_is_merged_and_other_routes_subtract_it(tiny):
+    """The first forward whose tokens all use adapter a packs a into the base weights; later forwards under
+    mixed routes, under b alone and under the base alone subtract it and still equal HF's forward (float64);
+    an update of a's weights re-packs; dropping the packed copy unmerges."""
+    model, _ = tiny
+    with_adapters(model)
+    reference = copy.deepcopy(model).double()
+    decoder = LeanDecoder(model, batch_hint=4)
+    caches = {d: KVCache(model.config, 4, 40, d, "cpu") for d in (torch.float32, torch.float64)}
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    steps = [*STEPS, ([0, 1, 2], [9, 5, 9], [1, 1, 1]), ([0, 1, 2], [10, 6, 10], [2, 1, 2]),
+             ([0, 1, 2], [12, 7, 12], [1, 1, 1])]  # fmt: skip
+    plan = [0, "mixed", 1, -1, "update", "mixed", 0]  # the route of each step
+    for (slots, lens, n_new), route in zip(steps, plan, strict=True):
+        if route == "update":  # an optimizer step on a's weights: the merged copy must follow
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if ".lora_B.a" in name:
+                        p.add_(0.05)
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                    q.copy_(p)
+            route = 0
+        width = max(n_new)
+        ids = torch.randint(0, vocab, (len(slots), width), generator=g)
+        routes = torch.randint(-1, 2, (len(slots), width), generator=g) if route == "mixed" else route
+        got = lean_logits(decoder, ids, routes, make_batch(caches[torch.float32], slots, lens, width, n_new))
+        want = hf_logits(reference, caches[torch.float64], ids, routes,
+                         make_batch(caches[torch.float64], slots, lens, width, n_new))  # fmt: skip
+        for b, n in enumerate(n_new):
+            assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
+        assert decoder.packed.merged == "a", "merged by the first forward, kept through other routes"
+    decoder.packed.drop()
+    assert decoder.packed.merged is None
+    with pytest.raises(RuntimeError, match="merged"):
+        decoder.packed.merge_adapter("a")
+        with decoder.packed():
+            pass

@@ -365,6 +365,50 @@ def test_group_sharing_a_prompt_prefills_it_once_and_equals_solo(tiny):
         assert assert_same_or_near_tie(model, req, solo.generate([req])[0], turn) is None
 
 
+def common_start(*prompts: list[int]) -> int:
+    return next((j for j in range(min(map(len, prompts))) if len({p[j] for p in prompts}) > 1), 0)
+
+
+def test_prompts_that_start_alike_prefill_the_start_once_and_equal_solo(tiny):
+    """Evaluation and imitation prompts behind one system prompt: the start runs once per (ids, routes)
+    set, all sets in one forward, then each row feeds the rest of its prompt; every row equals its solo
+    run."""
+    model, tok = tiny
+    rolerl.add_adapters(model, ["a", "b"], rank=4)
+    randomize_adapters(model, seed=3, std=0.1)
+    system = prompt_ids(tok, "You are a careful assistant. Solve the problem, then put the answer in tags.")
+    questions = [" What is 12 times 7?", " Name a prime above 40.", " Count to five, slowly.", " Spell cat."]
+    a, b = dict.fromkeys(ALL_KINDS, 0), dict.fromkeys(ALL_KINDS, 1)
+    prompts = [system + prompt_ids(tok, q) for q in questions]
+    reqs = [
+        GenerationRequest(p, SamplingParams(seed=i, max_new_tokens=10), route_of=a)
+        for i, p in enumerate(prompts)
+    ]
+    # the same start under the other adapter is another set (its keys and values differ)
+    reqs += [
+        GenerationRequest(p, SamplingParams(seed=9 + i, max_new_tokens=10), route_of=b)
+        for i, p in enumerate(prompts[:2])
+    ]
+    hello = prompt_ids(tok, "Hello there, my friend")  # starts otherwise: prefilled whole
+    reqs.append(GenerationRequest(hello, SamplingParams(seed=20, max_new_tokens=10), route_of=a))
+    n_a, n_b = common_start(*prompts), common_start(*prompts[:2])
+    assert n_a >= len(system) and n_b >= n_a  # the start, and what the two questions also share
+    widths = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward embeds its ids
+        lambda _m, args: widths.append(tuple(args[0].shape))
+    )
+    engine = Engine(model, tok, max_batch=8)
+    turns = engine.generate(reqs)
+    hook.remove()
+    rests = [len(p) - n_a for p in prompts] + [len(p) - n_b for p in prompts[:2]] + [len(hello)]
+    assert widths[:2] == [(2, n_b), (7, max(rests))]  # the two starts at once, then every row's own rest
+    assert all(w == (7, 1) for w in widths[2:10])  # then all 7 rows decode
+    solo = Engine(model, tok, max_batch=1)
+    for req, turn in zip(reqs, turns, strict=True):
+        assert assert_same_or_near_tie(model, req, solo.generate([req])[0], turn) is None
+        assert turn.routes[: len(req.prompt_ids)] == solo.generate([req])[0].routes[: len(req.prompt_ids)]
+
+
 def test_bad_requests_are_rejected(tiny):
     model, tok = tiny
     engine = Engine(model, tok)
