@@ -5,6 +5,9 @@ Case 1 (fixed length): temperature 1, top-p 1, top-k 0 passed explicitly to both
   base   no adapter on either side
   lora   rolerl with two routed adapters (rows alternate between them, as two roles in one batch) vs HF
          with one unmerged PEFT adapter (what TRL rolls out with)
+  policy rolerl with one routed adapter on every token, on a model it shares (as a training run's engine
+         shares the trainer's: plain weights kept, the adapter merged into the packed copy), vs the same HF
+         side as `lora`
 Each measurement runs in its own subprocess; median of `--runs` runs after a warm-up. Also model FLOPs
 utilisation against the matmul peak measured in the same subprocess.
 
@@ -108,7 +111,7 @@ def child(
     if side == "hf":
         tok.padding_side = "left"
         enc = tok.pad({"input_ids": ids}, return_tensors="pt")
-        if row == "lora":
+        if row in ("lora", "policy"):
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
@@ -129,15 +132,17 @@ def child(
         from rolerl.rollout.engine import Engine, GenerationRequest
         from rolerl.rollout.sampling import SamplingParams
 
+        kinds = ("prompt", "reasoning", "tool_call", "tool_output", "answer")
         route_ofs = [None, None]
         if row == "lora":
             rolerl.add_adapters(model, ["reason", "tool"], rank=8)
-            route_ofs = [
-                dict.fromkeys(("prompt", "reasoning", "tool_call", "tool_output", "answer"), i)
-                for i in (0, 1)
-            ]
-        # generation only: nothing else runs this model, so packed kernels replace its plain weights
-        engine = Engine(model, tok, max_batch=batch, kernels=kernels, owns_model=True)
+            route_ofs = [dict.fromkeys(kinds, i) for i in (0, 1)]
+        elif row == "policy":
+            rolerl.add_adapters(model, ["policy"], rank=8)
+            route_ofs = [dict.fromkeys(kinds, 0)] * 2
+        # generation only: nothing else runs this model, so packed kernels replace its plain weights; the
+        # policy row's model is a trainer's (kept, and its adapter can be merged into the packed copy)
+        engine = Engine(model, tok, max_batch=batch, kernels=kernels, owns_model=row != "policy")
 
         def once(n: int) -> int:
             reqs = [
@@ -246,7 +251,7 @@ def main() -> None:
         help="default: float32, plus bfloat16 where the CPU has native bf16 (rolerl.hardware)",
     )
     p.add_argument("--batches", nargs="+", type=int, default=[8, 32, 64])
-    p.add_argument("--rows", nargs="+", default=["base", "lora"], choices=["base", "lora"])
+    p.add_argument("--rows", nargs="+", default=["base", "lora"], choices=["base", "lora", "policy"])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cases", nargs="+", default=["fixed", "tools"], choices=["fixed", "tools", "long"])

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rolerl.models.lora import FusedAdapters, RoutedLoRALinear
-from rolerl.rollout.kv import Batch, attend
+from rolerl.rollout.kv import Batch, attend, attention_shape
 from rolerl.rollout.packed import PackedLinears, packed_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -91,10 +91,7 @@ class LeanDecoder:
         self.model = model
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.q_heads = text.num_attention_heads
-        self.kv_heads = text.num_key_value_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        _, self.q_heads, self.kv_heads, self.head_dim = attention_shape(model.config)
         self._plan()
         self.packed = PackedLinears.of(model, batch_hint, self.groups)
         self.packed.regroup(self.groups)

@@ -24,14 +24,19 @@ from rolerl.models.attention import attention_implementation
 ATTN_NAME = "rolerl_engine"
 
 
+def attention_shape(config) -> tuple[int, int, int, int]:
+    """`(layers, query heads, key/value heads, head dim)` of a (text) model config: the head dim is
+    `config.head_dim` where the config has one (Qwen3), else hidden size / query heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, head_dim
+
+
 class KVCache:
     def __init__(
         self, config, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.layers = text.num_hidden_layers
-        self.kv_heads = text.num_key_value_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.layers, _, self.kv_heads, self.head_dim = attention_shape(config)
         self.slots, self.capacity, self.dtype, self.device = slots, capacity, dtype, torch.device(device)
         # one scratch column beyond `capacity` receives the keys of padding and dummy positions
         shape = (slots, self.kv_heads, capacity + 1, self.head_dim)

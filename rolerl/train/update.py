@@ -270,12 +270,10 @@ def accumulate_gradients(
     log-probs `(B, T)` in TrainBatch alignment. Gradients accumulate into `.grad` (not zeroed here).
     `tick` is called after each micro-batch (progress).
     """
-    b = batch.input_ids.shape[0]
     norm = norm if norm is not None else AggNorm.of(batch.loss_mask, horizon=s.horizon)
     logp_all = torch.zeros_like(batch.old_logp)  # (B, T)
     total, sums = 0.0, Sums()
-    for start in range(0, b, micro_batch_size):
-        rows = list(range(start, min(start + micro_batch_size, b)))
+    for rows in by_length(batch, range(batch.input_ids.shape[0]), micro_batch_size):
         mb = select_rows(batch, rows)
         width = mb.input_ids.shape[1]
         weighted, metrics, logp = loss_terms(model, mb, aligned.rows(rows, width), norm, s)
@@ -284,6 +282,16 @@ def accumulate_gradients(
         logp_all[rows, : width - 1] = logp.to(logp_all.dtype)
         tick()
     return total, sums, logp_all
+
+
+def by_length(batch: TrainBatch, rows: Sequence[int], size: int) -> list[list[int]]:
+    """`rows` in micro-batches of `size`, shortest rows first: a micro-batch is padded to its longest row,
+    and rows of like length together pad least (RL's completions end anywhere up to the token limit). The
+    gradient is the sum over micro-batches with the whole batch's normalisers, so which rows share one
+    changes only the float rounding."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    order = sorted(rows, key=lambda r: lengths[r])  # stable: equal lengths keep their (shuffled) order
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 @torch.no_grad()
@@ -298,9 +306,8 @@ def recompute_logprobs(
     """The trainer's log-probs of every loss token before any update, `(B, T)` in TrainBatch alignment;
     only of `rows` (default all; the others stay 0)."""
     out = torch.zeros_like(batch.old_logp)
-    todo = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
-    for start in range(0, len(todo), micro_batch_size):
-        rows = todo[start : start + micro_batch_size]
+    todo = range(batch.input_ids.shape[0]) if rows is None else rows
+    for rows in by_length(batch, todo, micro_batch_size):
         mb = select_rows(batch, rows)
         with autocast(mb.input_ids.device, s.bf16):
             lp = token_logprobs(model, mb, **s.logprob_args()).logp
