@@ -12,14 +12,16 @@ import rolerl
 from rolerl.config import AlgorithmConfig, OptimConfig
 from rolerl.models.topology import Topology
 from rolerl.roles import ANSWER, REASONING, TOOL_CALL, TOOL_OUTPUT, shift
+from rolerl.train import update as update_module
 from rolerl.train.optim import lr_factor, model_optimizer
-from rolerl.train.policy import token_logprobs
+from rolerl.train.policy import select_rows, token_logprobs
 from rolerl.train.update import (
     Aligned,
     LossSettings,
     Part,
     Schedule,
     accumulate_gradients,
+    by_length,
     loss_terms,
     ppo_update,
 )
@@ -111,6 +113,37 @@ def test_micro_batched_gradients_equal_full_batch(tokenizer, dtype, mode):
         torch.testing.assert_close(micro[name], full[name], **tol)
     assert 0 < full_sums.result()["pg/clip_frac"] < 1  # the noise makes some ratios clip, not all
     assert micro_sums.result()["entropy"] == pytest.approx(full_sums.result()["entropy"], rel=1e-5)
+
+
+def test_micro_batches_take_rows_of_like_length_together(tokenizer, monkeypatch):
+    """Rows in shuffled order (lengths 16, 8, 14, 10, 12) go into micro-batches shortest first, each
+    trimmed to its longest row: widths 10, 14, 16 (in the given order: 16, 14, 12, more padding); the
+    loss, gradients and log-probs stay the full batch's."""
+    model, _, route_of = dart_model(tokenizer, dtype=torch.float64)
+    batch = select_rows(hand_batch(model, route_of), [4, 0, 3, 1, 2])
+    assert batch.attention_mask.sum(-1).tolist() == [16, 8, 14, 10, 12]
+    assert by_length(batch, range(5), 2) == [[1, 3], [4, 2], [0]]
+    s = settings(beta=0.1)
+    full_loss, _, full_logp = accumulate_gradients(
+        model, batch, Aligned(batch.old_logp), s, micro_batch_size=5
+    )
+    full = grads(model)
+    model.zero_grad(set_to_none=True)
+    widths = []
+    real = update_module.select_rows
+
+    def spy(b, rows):
+        out = real(b, rows)
+        widths.append(out.input_ids.shape[1])
+        return out
+
+    monkeypatch.setattr(update_module, "select_rows", spy)
+    loss, _, logp = accumulate_gradients(model, batch, Aligned(batch.old_logp), s, micro_batch_size=2)
+    assert widths == [10, 14, 16]
+    assert loss == pytest.approx(full_loss, abs=1e-12)
+    torch.testing.assert_close(logp, full_logp, rtol=0, atol=1e-12)
+    for name, g in grads(model).items():
+        torch.testing.assert_close(g, full[name], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kl", ["k1", "k3"])
