@@ -47,6 +47,18 @@ def lean_logits(decoder, ids, routes, batch):
         return decoder.head(decoder(ids, batch))
 
 
+def assert_step_equals_hf(decoder, reference, caches, ids, routes, slots, lens, n_new):
+    """One forward of the lean decoder (fp32) against HF's (float64) on the same cache slots: the logits of
+    every fed position within 256 fp32 ulps of the largest (two layers of width 64 give a few dozen; the rest
+    is room for other CPUs' kernels: a wrong route, head or position is off by far more)."""
+    width = ids.shape[1]
+    got = lean_logits(decoder, ids, routes, make_batch(caches[torch.float32], slots, lens, width, n_new))
+    want = hf_logits(reference, caches[torch.float64], ids, routes,
+                     make_batch(caches[torch.float64], slots, lens, width, n_new))  # fmt: skip
+    for b, n in enumerate(n_new):
+        assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
+
+
 def test_lean_decoder_equals_hf_forward_in_float64(tiny):
     model, _ = tiny
     with_adapters(model)
@@ -59,18 +71,7 @@ def test_lean_decoder_equals_hf_forward_in_float64(tiny):
         width = max(n_new)
         ids = torch.randint(0, vocab, (len(slots), width), generator=g)
         routes = torch.randint(-1, 2, (len(slots), width), generator=g)  # base, adapter a or b per token
-        got = lean_logits(decoder, ids, routes, make_batch(caches[torch.float32], slots, lens, width, n_new))
-        want = hf_logits(
-            reference,
-            caches[torch.float64],
-            ids,
-            routes,
-            make_batch(caches[torch.float64], slots, lens, width, n_new),
-        )
-        for b, n in enumerate(n_new):
-            # two layers of width 64 in fp32 against fp64: a few dozen ulps of the largest logit; 256 leaves
-            # room for other CPUs' kernels (a wrong route, head or position is off by far more)
-            assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
+        assert_step_equals_hf(decoder, reference, caches, ids, routes, slots, lens, n_new)
     for layer in range(model.config.num_hidden_layers):
         for k32, k64 in ((caches[torch.float32].k[layer], caches[torch.float64].k[layer]),
                          (caches[torch.float32].v[layer], caches[torch.float64].v[layer])):  # fmt: skip
@@ -194,11 +195,7 @@ def test_an_adapter_every_token_uses_is_merged_and_other_routes_subtract_it(tiny
         width = max(n_new)
         ids = torch.randint(0, vocab, (len(slots), width), generator=g)
         routes = torch.randint(-1, 2, (len(slots), width), generator=g) if route == "mixed" else route
-        got = lean_logits(decoder, ids, routes, make_batch(caches[torch.float32], slots, lens, width, n_new))
-        want = hf_logits(reference, caches[torch.float64], ids, routes,
-                         make_batch(caches[torch.float64], slots, lens, width, n_new))  # fmt: skip
-        for b, n in enumerate(n_new):
-            assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
+        assert_step_equals_hf(decoder, reference, caches, ids, routes, slots, lens, n_new)
         assert decoder.packed.merged == "a", "merged by the first forward, kept through other routes"
     decoder.packed.drop()
     assert decoder.packed.merged is None

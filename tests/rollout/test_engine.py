@@ -336,6 +336,18 @@ def test_continuous_batching_200_requests_16_slots_equal_solo(tiny):
         print(f"near-ties (legitimate divergences): {ties}")
 
 
+def generate_with_widths(model, tok, reqs, max_batch):
+    """The engine's turns for `reqs`, and the `(rows, tokens)` shape of every forward it ran."""
+    widths = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward embeds its ids
+        lambda _m, args: widths.append(tuple(args[0].shape))
+    )
+    try:
+        return Engine(model, tok, max_batch=max_batch).generate(reqs), widths
+    finally:
+        hook.remove()
+
+
 def test_group_sharing_a_prompt_prefills_it_once_and_equals_solo(tiny):
     """A GRPO group: 6 samples of one prompt (plus one other prompt, and one with the same ids but another
     route) are admitted together; each distinct (ids, routes) prompt runs through the model once, and every
@@ -350,13 +362,7 @@ def test_group_sharing_a_prompt_prefills_it_once_and_equals_solo(tiny):
         GenerationRequest(other, SamplingParams(seed=6, max_new_tokens=12), route_of=on),
         GenerationRequest(ids, SamplingParams(seed=7, max_new_tokens=12), route_of=off),
     ]
-    widths = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward embeds its ids
-        lambda _m, args: widths.append(tuple(args[0].shape))
-    )
-    engine = Engine(model, tok, max_batch=8)
-    turns = engine.generate(reqs)
-    hook.remove()
+    turns, widths = generate_with_widths(model, tok, reqs, max_batch=8)
     assert widths[0] == (3, len(ids)) and len(other) < len(ids)  # one prefill row per distinct prompt
     assert all(w == (8, 1) for w in widths[1:12])  # then all 8 rows decode
     assert len({tuple(t.completion_ids) for t in turns[:6]}) > 1  # each sample drew its own tokens
@@ -393,13 +399,7 @@ def test_prompts_that_start_alike_prefill_the_start_once_and_equal_solo(tiny):
     reqs.append(GenerationRequest(hello, SamplingParams(seed=20, max_new_tokens=10), route_of=a))
     n_a, n_b = common_start(*prompts), common_start(*prompts[:2])
     assert n_a >= len(system) and n_b >= n_a  # the start, and what the two questions also share
-    widths = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward embeds its ids
-        lambda _m, args: widths.append(tuple(args[0].shape))
-    )
-    engine = Engine(model, tok, max_batch=8)
-    turns = engine.generate(reqs)
-    hook.remove()
+    turns, widths = generate_with_widths(model, tok, reqs, max_batch=8)
     rests = [len(p) - n_a for p in prompts] + [len(p) - n_b for p in prompts[:2]] + [len(hello)]
     assert widths[:2] == [(2, n_b), (7, max(rests))]  # the two starts at once, then every row's own rest
     assert all(w == (7, 1) for w in widths[2:10])  # then all 7 rows decode
