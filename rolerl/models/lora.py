@@ -148,7 +148,7 @@ class RouteState:
             route = (
                 route.reshape(-1).to(like.device)
                 if isinstance(route, torch.Tensor)
-                else torch.tensor([route])
+                else torch.tensor([route], device=like.device)  # one route for every token
             )
             owner = torch.repeat_interleave(torch.tensor(layout, device=like.device), torch.tensor(ranks))
             scale = torch.repeat_interleave(torch.tensor(scalings, device=like.device), torch.tensor(ranks))
