@@ -59,12 +59,17 @@ def assert_step_equals_hf(decoder, reference, caches, ids, routes, slots, lens, 
         assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
 
 
-def test_lean_decoder_equals_hf_forward_in_float64(tiny):
+def against_float64(tiny, capacity: int):
+    """The tiny model with two routed adapters, its float64 copy, a lean decoder over it, and a 4-slot cache
+    per dtype."""
     model, _ = tiny
     with_adapters(model)
-    reference = copy.deepcopy(model).double()
-    decoder = LeanDecoder(model, batch_hint=4)
-    caches = {d: KVCache(model.config, 4, 32, d, "cpu") for d in (torch.float32, torch.float64)}
+    caches = {d: KVCache(model.config, 4, capacity, d, "cpu") for d in (torch.float32, torch.float64)}
+    return model, copy.deepcopy(model).double(), LeanDecoder(model, batch_hint=4), caches
+
+
+def test_lean_decoder_equals_hf_forward_in_float64(tiny):
+    model, reference, decoder, caches = against_float64(tiny, capacity=32)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     for slots, lens, n_new in STEPS:
@@ -173,11 +178,7 @@ def test_an_adapter_every_token_uses_is_merged_and_other_routes_subtract_it(tiny
     """The first forward whose tokens all use adapter a packs a into the base weights; later forwards under
     mixed routes, under b alone and under the base alone subtract it and still equal HF's forward (float64);
     an update of a's weights re-packs; dropping the packed copy unmerges."""
-    model, _ = tiny
-    with_adapters(model)
-    reference = copy.deepcopy(model).double()
-    decoder = LeanDecoder(model, batch_hint=4)
-    caches = {d: KVCache(model.config, 4, 40, d, "cpu") for d in (torch.float32, torch.float64)}
+    model, reference, decoder, caches = against_float64(tiny, capacity=40)
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     steps = [*STEPS, ([0, 1, 2], [9, 5, 9], [1, 1, 1]), ([0, 1, 2], [10, 6, 10], [2, 1, 2]),
