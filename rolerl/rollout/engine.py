@@ -331,32 +331,33 @@ class Engine:
         `MIN_COMMON_START` positions: a system prompt, one per role) run that start once, on one row of
         each such set, all sets in one forward; the other rows copy its keys and values, so each row's own
         forward feeds only the rest of its prompt (every row keeps at least one token to sample from)."""
-        sets: dict[tuple, list[_Row]] = {}
+        sets: dict[tuple, list[int]] = {}
         for i in indices:
             row = self.active[i]
             if row.cache_len == 0 and len(row.pending) > MIN_COMMON_START:
                 key = (tuple(row.pending[:MIN_COMMON_START]), tuple(row.pending_routes[:MIN_COMMON_START]))
-                sets.setdefault(key, []).append(row)
-        starts = []  # (the rows of a set, the length of their common start)
-        for rows in sets.values():
-            if len(rows) > 1:
-                first, n = rows[0], min(len(r.pending) for r in rows) - 1
-                for r in rows[1:]:
+                sets.setdefault(key, []).append(i)
+        starts = []  # (the active rows of a set, the length of their common start)
+        for slots in sets.values():
+            if len(slots) > 1:
+                first, *others = (self.active[i] for i in slots)
+                n = min(len(r.pending) for r in (first, *others)) - 1
+                for r in others:
                     n = next((j for j in range(MIN_COMMON_START, n) if (r.pending[j], r.pending_routes[j]) !=
                               (first.pending[j], first.pending_routes[j])), n)  # fmt: skip
-                starts.append((rows, n))
+                starts.append((slots, n))
         if not starts:
             return
         t0 = time.perf_counter()
-        slot = {id(row): i for i, row in enumerate(self.active)}
+        leaders = [(slots[0], self.active[slots[0]], n) for slots, n in starts]
         self._forward(
-            [slot[id(rows[0])] for rows, _ in starts],
-            [(rows[0].pending[:n], rows[0].pending_routes[:n]) for rows, n in starts],
+            [i for i, _, _ in leaders], [(r.pending[:n], r.pending_routes[:n]) for _, r, n in leaders]
         )
-        for rows, n in starts:
-            for row in rows:
-                if row is not rows[0]:
-                    self.cache.move(slot[id(rows[0])], slot[id(row)], n)
+        for slots, n in starts:
+            for i in slots:
+                if i != slots[0]:
+                    self.cache.move(slots[0], i, n)
+                row = self.active[i]
                 row.fed_routes.extend(row.pending_routes[:n])
                 row.cache_len = n
                 row.pending, row.pending_routes = row.pending[n:], row.pending_routes[n:]
