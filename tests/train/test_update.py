@@ -4,6 +4,7 @@ at zero adapters, recompute/TIS bookkeeping, and the learning-rate schedule."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -144,6 +145,24 @@ def test_micro_batches_take_rows_of_like_length_together(tokenizer, monkeypatch)
     torch.testing.assert_close(logp, full_logp, rtol=0, atol=1e-12)
     for name, g in grads(model).items():
         torch.testing.assert_close(g, full[name], rtol=1e-6, atol=1e-7)
+
+
+def test_a_micro_batch_lets_go_of_its_loss_before_the_next_forward(tokenizer, monkeypatch):
+    """The previous micro-batch's loss and log-probs are gone when the next one's forward starts (kept
+    alive through it, the heap fragmented: +1.1-2.3 GB peak RSS in a 512-token GRPO step)."""
+    model, _, route_of = dart_model(tokenizer, dtype=torch.float64)
+    batch = hand_batch(model, route_of)
+    real, refs, alive = update_module.loss_terms, [], []
+
+    def spy(*args):
+        alive.append([ref() is not None for ref in refs])  # what earlier micro-batches left alive
+        weighted, metrics, logp = real(*args)
+        refs.extend([weakref.ref(weighted), weakref.ref(logp)])
+        return weighted, metrics, logp
+
+    monkeypatch.setattr(update_module, "loss_terms", spy)
+    accumulate_gradients(model, batch, Aligned(batch.old_logp), settings(), micro_batch_size=2)
+    assert alive == [[], [False] * 2, [False] * 4]
 
 
 @pytest.mark.parametrize("kl", ["k1", "k3"])
