@@ -241,6 +241,7 @@ class Engine:
         capacity = -(-capacity // 64) * 64
         self.cache = KVCache(self.model.config, self.max_batch, capacity, self.dtype, self.device)
         if old is not None:
+            self.cache.reach(old.zeroed)  # before the copies: reaching them later would zero them
             for i, row in enumerate(self.active):
                 for src, dst in zip((*old.k, *old.v), (*self.cache.k, *self.cache.v), strict=True):
                     dst[i, :, : row.cache_len] = src[i, :, : row.cache_len]

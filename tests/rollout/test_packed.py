@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 import rolerl
 from rolerl.rollout.engine import Engine, GenerationRequest, rollout_copy
+from rolerl.rollout.kv import KVCache
 from rolerl.rollout.packed import (
     PackedLinears,
     _drop_file_pages,
@@ -158,6 +159,34 @@ def test_kv_cache_is_sized_to_the_request_and_grows_by_a_quarter(tiny):
     assert first == -(-(len(ids) + 300) // 64) * 64  # not the next power of two
     engine.generate([GenerationRequest(ids, SamplingParams(greedy=True, max_new_tokens=first))])
     assert engine.cache.capacity == -(-max(len(ids) + first, first + first // 4) // 64) * 64
+
+
+def test_kv_cache_memory_is_never_read_before_it_is_zeroed_or_written(tiny, monkeypatch):
+    """The cache is allocated unzeroed (`KVCache.reach` zeroes columns as forwards first read them). With
+    its fresh memory filled with NaN, rows of different lengths (shorter rows read masked positions) and a
+    longer request admitted mid-run (the cache grows, the running row's keys are copied over) give each
+    request's solo tokens and log-probs. Without `reach` in `make_batch` the log-probs are NaN; without it
+    before the growth's copies, the running row loses its keys."""
+    model, tok = tiny
+    with_adapters(model)
+    reqs = requests(tok, True)[:3]
+    for r, n in zip(reqs, (5, 40, 150), strict=True):
+        r.sampling.max_new_tokens = n  # the third is admitted when the first ends, and outgrows the cache
+    solo = [Engine(model, tok, max_batch=1).generate([r])[0] for r in reqs]
+    real = KVCache.__init__
+
+    def poisoned(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        for t in (*self.k, *self.v):
+            t.fill_(float("nan"))
+
+    monkeypatch.setattr(KVCache, "__init__", poisoned)
+    engine = Engine(model, tok, max_batch=2)
+    turns = engine.generate(reqs)
+    assert engine.cache.capacity > -(-(len(reqs[1].prompt_ids) + 40) // 64) * 64  # it grew
+    for got, want in zip(turns, solo, strict=True):
+        assert got.completion_ids == want.completion_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=0, atol=1e-4)
 
 
 def resident_mb() -> float:
