@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rolerl.config import Config, load_config
-from rolerl.eval import EvalResult, by_family_table, evaluate, pooled_gain
+from rolerl.eval import EvalResult, by_family_table, evaluate, evaluate_groups, pooled_gain
 from rolerl.progress import ProgressBar
 from rolerl.report.plots import plot_metrics
 from rolerl.tasks.synthetic import PROBE_FAMILIES, SyntheticTask, format_task, rl_task
@@ -113,20 +113,21 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     results: dict[str, Any] = {"settings": dataclasses.asdict(settings), "evals": {}}
 
     def run_eval(stage: str, limit: int | None = None) -> dict[str, EvalResult]:
-        out = {}
-        for group, examples in held_out.items():
-            task = fmt if group == "format" else rl
-            examples = examples[:limit]
-            with ProgressBar(f"eval {stage}/{group}", len(examples), enabled=progress, transient=True) as bar:
-                out[group] = evaluate(
-                    engine, policy.route_of, TIR(task), examples,
-                    max_new_tokens=cfg.rollout.max_new_tokens, max_tool_calls=cfg.rollout.max_tool_calls,
-                    seed=settings.seed, on_episode=lambda done, _: bar.update(done),
-                )  # fmt: skip
-            s = out[group].summary()
+        """Both groups in one batch (their episodes share the engine's forwards)."""
+        groups = {g: (TIR(fmt if g == "format" else rl), ex[:limit], None) for g, ex in held_out.items()}
+        total = sum(len(ex) for _, ex, _ in groups.values())
+        with ProgressBar(f"eval {stage}", total, enabled=progress, transient=True) as bar:
+            out = evaluate_groups(
+                engine, policy.route_of, groups, max_new_tokens=cfg.rollout.max_new_tokens,
+                max_tool_calls=cfg.rollout.max_tool_calls, seed=settings.seed,
+                on_episode=lambda done, _: bar.update(done),
+            )  # fmt: skip
+        engine.sleep()  # its KV cache and packed weights are rebuilt by the next evaluation
+        for group, result in out.items():
+            s = result.summary()
             results["evals"][f"{stage}/{group}"] = s
             log(f"  {stage:>10} {group:>6}: {100 * s['accuracy']:5.1f}% +- {100 * s['stderr']:.1f} "
-                f"(n={int(s['n'])}, tool use {100 * s['tool_use']:.0f}%, {out[group].seconds:.0f}s)")  # fmt: skip
+                f"(n={int(s['n'])}, tool use {100 * s['tool_use']:.0f}%, done at {result.seconds:.0f}s)")  # fmt: skip
         return out
 
     try:

@@ -1,6 +1,14 @@
 """Evaluation: `evaluate` a workflow on held-out examples; pass@k and standard errors."""
 
-from rolerl.eval.evaluate import EvalResult, by_family_table, evaluate
+from rolerl.eval.evaluate import EvalResult, by_family_table, evaluate, evaluate_groups
 from rolerl.eval.metrics import binomial_stderr, pass_at_k, pooled_gain
 
-__all__ = ["EvalResult", "binomial_stderr", "by_family_table", "evaluate", "pass_at_k", "pooled_gain"]
+__all__ = [
+    "EvalResult",
+    "binomial_stderr",
+    "by_family_table",
+    "evaluate",
+    "evaluate_groups",
+    "pass_at_k",
+    "pooled_gain",
+]

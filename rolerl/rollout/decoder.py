@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rolerl.models.lora import FusedAdapters, RoutedLoRALinear
-from rolerl.rollout.kv import Batch, attend, attention_shape
+from rolerl.rollout.kv import Batch, Layout, attend_layout, attention_shape
 from rolerl.rollout.packed import PackedLinears, packed_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -128,7 +128,11 @@ class LeanDecoder:
             )  # fmt: skip
         self.groups.append((self.model.get_output_embeddings(),))
 
-    def __call__(self, ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, layout: Batch | Layout) -> torch.Tensor:
+        """Hidden states after the final norm: `(B, T, d)` for `(B, T)` ids over a `Batch` or a dense
+        `Layout`, `(1, N, d)` for a flat layout's `(1, N)` ids (its tokens only: no padding, no dummies)."""
+        if isinstance(layout, Batch):
+            layout = Layout.of(layout)
         if self._projections() != self.signature:  # adapters injected (or removed) since the last forward
             if lean_support(self.model) is not None:
                 raise RuntimeError(f"the engine's model changed: {lean_support(self.model)}")
@@ -141,7 +145,7 @@ class LeanDecoder:
         b, t = ids.shape
         hq, hkv, d = self.q_heads, self.kv_heads, self.head_dim
         x = self.embed(ids)  # (B, T, hidden)
-        cos, sin = self.rotary(x, batch.positions)  # (B, T, D)
+        cos, sin = self.rotary(x, layout.positions)  # (B, T, D)
         # HF's rotate_half(x) * sin == x.roll(D/2) * [-sin_lo, sin_hi]: the same products, one op fewer
         half = d // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
@@ -159,11 +163,7 @@ class LeanDecoder:
             else:
                 qk = rope(qkv[:, :, : hq + hkv])
                 q, k = qk[:, :, :hq], qk[:, :, hq:]
-            v = qkv[:, :, hq + hkv :]
-            out = attend(
-                batch, layer.index, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layer.scaling
-            )
-            h = out.reshape(b, t, hq * d)
+            h = attend_layout(layout, layer.index, q, k, qkv[:, :, hq + hkv :], layer.scaling)  # (B, T, H D)
             x = x + layer.o_adapter.add_(h, packed_linear(h, *o_w), merged)  # HF: residual + output
             h = layer.norm2(x)
             gu = layer.gate_up_adapters.add_(h, packed_linear(h, *gu_w), merged)  # (B, T, 2 I)

@@ -8,7 +8,8 @@ One `step()`:
   3. an *extend* forward over rows with several pending tokens (new prompts, spliced output);
   4. a *decode* forward over all active rows, one token each (rows waiting on a tool ride along with a
      dummy token whose key goes to a scratch column, so the rows stay slots 0..n-1 and the cache is read
-     as a view);
+     as a view). On the lean decoder, extend and decode rows share one forward whose linear layers see
+     only real tokens (a flat `Layout`: no padding, no dummies); attention runs per kind of row;
   5. sampling, the tag state machine, stop checks; finished rows free their slot (the last row moves in).
 
 Everything training needs is recorded as it happens: token ids, each token's kind, the route each position
@@ -29,7 +30,7 @@ import torch
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
-from rolerl.rollout.kv import KVCache, engine_forward, make_batch
+from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout
 from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import sample
@@ -173,11 +174,19 @@ class Engine:
         extend = [
             i for i, r in enumerate(self.active) if r.future is None and len(r.pending) > 1 and not r.finish
         ]
-        if extend:
-            self._extend(extend)
         decode = [
             i for i, r in enumerate(self.active) if r.future is None and len(r.pending) == 1 and not r.finish
         ]
+        if extend and decode and self.lean is not None:
+            self._extend(extend, decode)  # one forward: its flat layout gives no row another's length
+            return self._retire()
+        if extend:
+            self._extend(extend)
+            decode = [
+                i
+                for i, r in enumerate(self.active)
+                if r.future is None and len(r.pending) == 1 and not r.finish
+            ]
         if decode:
             self._forward_and_sample(list(range(len(self.active))), sample_rows=set(decode))
         elif not extend and self.active:
@@ -232,24 +241,36 @@ class Engine:
             self.active.append(self.waiting.popleft())
 
     def _ensure_cache(self, need: int) -> None:
-        if self.cache is not None and self.cache.capacity >= need:
+        """Room for the next waiting request: `need` positions in slot `len(self.active)`."""
+        old = self.cache
+        if old is not None and old.capacity >= need and old.slots > len(self.active):
             return
         # sized to the longest request, not a power of two (a 1,100-position row would hold 2,048); when a
         # longer request comes, grow by at least a quarter so that rising lengths do not copy every time
-        old = self.cache
-        capacity = max(need, 64) if old is None else max(need, old.capacity + old.capacity // 4)
+        if old is None:
+            capacity = max(need, 64)
+        else:
+            capacity = old.capacity if old.capacity >= need else max(need, old.capacity + old.capacity // 4)
         capacity = -(-capacity // 64) * 64
-        self.cache = KVCache(self.model.config, self.max_batch, capacity, self.dtype, self.device)
+        # slots for the requests there are, up to `max_batch` (which costs nothing until used); doubling when
+        # requests come one by one, so that the rows are not copied at every admission
+        if old is not None and old.slots > len(self.active):
+            slots = old.slots
+        else:
+            wanted = len(self.active) + len(self.waiting)
+            slots = min(self.max_batch, max(wanted, 2 * old.slots if old is not None else 1))
+        self.cache = KVCache(self.model.config, slots, capacity, self.dtype, self.device)
         if old is not None:
             self.cache.reach(old.zeroed)  # before the copies: reaching them later would zero them
             for i, row in enumerate(self.active):
                 for src, dst in zip((*old.k, *old.v), (*self.cache.k, *self.cache.v), strict=True):
                     dst[i, :, : row.cache_len] = src[i, :, : row.cache_len]
 
-    def _extend(self, indices: list[int]) -> None:
+    def _extend(self, indices: list[int], decode: Sequence[int] = ()) -> None:
         """Prefill prompts and splice tool output. Rows with the same fresh prompt (ids and routes: the `n`
         samples of a GRPO group) run it once; the others copy its cache and sample from its logits. Distinct
-        fresh prompts that start alike (a system prompt) run that start once (`_prefill_common_start`)."""
+        fresh prompts that start alike (a system prompt) run that start once (`_prefill_common_start`).
+        `decode`: rows with one pending token, decoded in the same forward (the lean decoder's flat layout)."""
         first: dict[tuple, int] = {}
         computed, copies = [], []
         for i in indices:
@@ -261,7 +282,11 @@ class Engine:
                 first[key] = i
                 computed.append(i)
         self._prefill_common_start(computed)
-        self._forward_and_sample(computed, copies=copies)
+        if decode:  # every active row, so that the decode segment reads the cache as a view
+            sample = {*computed, *decode}
+            self._forward_and_sample(list(range(len(self.active))), sample_rows=sample, copies=copies)
+        else:
+            self._forward_and_sample(computed, copies=copies)
 
     def _forward_and_sample(
         self, indices: list[int], sample_rows: set[int] | None = None, copies: Sequence[tuple[int, int]] = ()
@@ -305,6 +330,8 @@ class Engine:
         last fed position."""
         rows = [self.active[i] for i in indices]
         n_new = [len(fed) for fed, _ in feeds]
+        if self.lean is not None:
+            return self._forward_lean(indices, feeds, n_new)
         width = max(max(n_new), 1)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         # pads and dummies write to the scratch column and are never read: routed like the most common real
@@ -317,15 +344,33 @@ class Engine:
         batch = make_batch(self.cache, indices, [r.cache_len for r in rows], width, n_new)
         last = torch.tensor([max(n - 1, 0) for n in n_new], device=self.device)
         with torch.inference_mode(), self._routes(routes):
-            if self.lean is not None:
-                hidden = self.lean(ids.to(self.device), batch)  # (B, T, d)
-                return self.lean.head(hidden[torch.arange(len(rows), device=self.device), last])  # (B, V)
             kernels = self.packed() if self.packed is not None else nullcontext()
             with engine_forward(self.model, batch), kernels:
                 hidden = self.decoder(
                     input_ids=ids.to(self.device), position_ids=batch.positions, use_cache=False
                 ).last_hidden_state
                 return self.lm_head(hidden[torch.arange(len(rows), device=self.device), last])
+
+    def _forward_lean(
+        self, indices: list[int], feeds: Sequence[tuple[list[int], list[int]]], n_new: list[int]
+    ) -> torch.Tensor:
+        """`_forward` on the lean decoder over a `Layout`: rows of different lengths (a decode step with
+        prompts or tool output spliced into it, rows waiting on a tool) feed only their real tokens to the
+        linear layers; attention runs per segment (`make_layout`)."""
+        layout, order = make_layout(self.cache, indices, [self.active[i].cache_len for i in indices], n_new)
+        if layout.dense is not None:
+            ids = torch.tensor([fed for fed, _ in feeds], dtype=torch.long)
+            routes = torch.tensor([fed_routes for _, fed_routes in feeds], dtype=torch.long)
+        else:  # the flat order: `order[b]` is where row b's tokens start
+            rows = sorted((o, b) for b, o in enumerate(order) if n_new[b])
+            ids = torch.tensor([[t for _, b in rows for t in feeds[b][0]]], dtype=torch.long)
+            routes = torch.tensor([[r for _, b in rows for r in feeds[b][1]]], dtype=torch.long)
+        last = torch.tensor(
+            [o + max(n - 1, 0) for o, n in zip(order, n_new, strict=True)], device=self.device
+        )
+        with torch.inference_mode(), self._routes(routes):
+            hidden = self.lean(ids.to(self.device), layout)  # (B, T, d) dense, (1, N, d) flat
+            return self.lean.head(hidden.flatten(0, 1)[last])  # (B, V)
 
     def _prefill_common_start(self, indices: list[int]) -> None:
         """Fresh prompts of the active rows `indices` that start alike (ids and routes over at least

@@ -104,6 +104,94 @@ def make_batch(cache: KVCache, slots: list[int], lens: list[int], width: int, n_
     return Batch(cache, slot_t, contiguous, lens_t, positions, writes, kv_len, mask)
 
 
+@dataclass
+class Segment:
+    """One attention group of a flat forward: its rows' `Batch` and, for each of its `(B, T)` query
+    positions, the token of the flat forward it takes (`index`, padding and dummies point at any token:
+    their keys go to the scratch column and their outputs are dropped), and which of those positions are
+    real (`real`, in flat order: the segment's tokens are `[start, start + len(real))` of the forward)."""
+
+    batch: Batch
+    index: torch.Tensor  # (B * T,)
+    real: torch.Tensor  # (n,) positions of the segment's real tokens in its (B * T) layout
+    start: int
+
+
+@dataclass
+class Layout:
+    """Where the tokens of one engine forward sit. Dense: `(B, T)` ids, one segment read as it is (no
+    gathers). Flat: `(1, N)` ids holding only real tokens, so that the linear layers skip padding and
+    dummies; attention runs per segment on its rows' padded `(B, T)` view: rows appending one token read
+    the cache as decode steps do, rows appending several (prompts, spliced tool output) as prefill does."""
+
+    positions: torch.Tensor  # (B, T) dense or (1, N) flat: RoPE positions of the forward's tokens
+    segments: list[Segment]
+    dense: Batch | None = None  # the one segment of a dense layout
+
+    @classmethod
+    def of(cls, batch: Batch) -> Layout:
+        return cls(batch.positions, [], batch)
+
+
+def make_layout(
+    cache: KVCache, slots: list[int], lens: list[int], n_new: list[int]
+) -> tuple[Layout, list[int]]:
+    """The layout of a forward where row `b` (cache slot `slots[b]`, `lens[b]` positions cached) appends
+    `n_new[b]` tokens, and the order of the flat forward's tokens: `order[b]` = the flat position of row
+    `b`'s first token. Dense when no row has padding or a dummy (every `n_new` equal and > 0); else flat,
+    with rows appending at most one token in a decode segment (all rows when `slots` are `0..B-1`: the
+    cache is read as a view, the others ride along as dummies) and rows appending more in an extend one."""
+    width = max(n_new)
+    if min(n_new) == width > 0:
+        batch = make_batch(cache, slots, lens, width, n_new)
+        return Layout.of(batch), [b * width for b in range(len(slots))]
+    if width == 0:
+        raise ValueError("a forward needs at least one new token")
+    contiguous = slots == list(range(len(slots)))
+    one = [b for b, n in enumerate(n_new) if n <= 1 or contiguous]
+    many = [b for b, n in enumerate(n_new) if n > 1]
+    groups = []
+    if any(n_new[b] == 1 for b in one):
+        groups.append((one, [n_new[b] if n_new[b] <= 1 else 0 for b in one], 1))
+    if many:
+        groups.append((many, [n_new[b] for b in many], max(n_new[b] for b in many)))
+    order, positions, segments, start = [0] * len(slots), [], [], 0
+    for rows, counts, cols in groups:
+        batch = make_batch(cache, [slots[b] for b in rows], [lens[b] for b in rows], cols, counts)
+        index, real, at = [], [], start
+        for i, (b, n) in enumerate(zip(rows, counts, strict=True)):
+            if n:
+                order[b] = at
+                positions.extend(range(lens[b], lens[b] + n))
+                real.extend(range(i * cols, i * cols + n))
+            index.extend(range(at, at + n))
+            index.extend([start] * (cols - n))  # padding: any token of the segment
+            at += n
+        segments.append(Segment(batch, torch.tensor(index), torch.tensor(real), start))
+        start = at
+    return Layout(torch.tensor([positions]), segments), order
+
+
+def attend_layout(layout: Layout, layer: int, q, k, v, scaling: float | None = None) -> torch.Tensor:
+    """`attend` over a layout. Dense: q `(B, T, H, D)`, k/v `(B, T, Hkv, D)`; flat: `(1, N, heads, D)`.
+    Returns `(B, T, H * D)` or `(1, N, H * D)`."""
+    if layout.dense is not None:
+        b, t, heads, d = q.shape
+        out = attend(layout.dense, layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scaling)
+        return out.reshape(b, t, heads * d)
+    _, n, heads, d = q.shape
+    q, k, v = q[0], k[0], v[0]
+    out = q.new_empty(n, heads * d)
+    for seg in layout.segments:
+        b, t = seg.batch.positions.shape
+        qs, ks, vs = (x.index_select(0, seg.index).view(b, t, -1, d).transpose(1, 2) for x in (q, k, v))
+        o = attend(seg.batch, layer, qs, ks, vs, scaling).reshape(b * t, heads * d)
+        out[seg.start : seg.start + len(seg.real)] = (
+            o if len(seg.real) == b * t else o.index_select(0, seg.real)
+        )
+    return out[None]
+
+
 _current: Batch | None = None
 
 

@@ -1,6 +1,7 @@
 """The engine's lean decoder (`rolerl.rollout.decoder`) computes what Hugging Face's forward computes: logits
 and cached keys/values against HF's forward in float64 on the three tiny families, with routed adapters
-and mixed per-token routes, through prefill, decode and gathered slots; adapters injected after the
+and mixed per-token routes, through prefill, decode and gathered slots, dense and flat (decode rows, tool
+output spliced in and dummies in one forward of real tokens only); adapters injected after the
 engine was built are used; a model it does not cover runs HF's forward; a released model still runs its
 own forward on the fused packed weights."""
 
@@ -16,7 +17,7 @@ import rolerl
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.rollout.decoder import LeanDecoder, _adapters, lean_support
 from rolerl.rollout.engine import Engine
-from rolerl.rollout.kv import KVCache, engine_forward, make_batch
+from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout
 from rolerl.rollout.packed import onednn_supported
 from tests.models.test_lora import randomize_adapters
 from tests.rollout.test_packed import requests, with_adapters
@@ -81,6 +82,61 @@ def test_lean_decoder_equals_hf_forward_in_float64(tiny):
         for k32, k64 in ((caches[torch.float32].k[layer], caches[torch.float64].k[layer]),
                          (caches[torch.float32].v[layer], caches[torch.float64].v[layer])):  # fmt: skip
             for slot, length in enumerate([9, 5, 9]):
+                assert_close_ulps(k32[slot, :, :length].double(), k64[slot, :, :length], 256, torch.float32)
+
+
+# flat forwards: a ragged prefill (one extend segment), decode rows with a dummy (a row waiting on its tool)
+# and tool output spliced in (slots 0..3: a decode segment read as a view, the extend row riding along in
+# it as a dummy), a gathered forward of a one-token row and a longer one, a dense decode step
+FLAT_STEPS = [
+    ([0, 1, 2, 3], [0, 0, 0, 0], [5, 3, 4, 2]),
+    ([0, 1, 2, 3], [5, 3, 4, 2], [1, 0, 3, 1]),
+    ([2, 0], [7, 6], [1, 2]),
+    ([0, 1, 2, 3], [8, 3, 8, 3], [1, 1, 1, 1]),
+]
+
+
+def flat_logits(decoder, ids, routes, cache, slots, lens, n_new):
+    """The lean decoder's logits `(B, T, V)` at each row's fed positions, from one forward over the
+    `make_layout` layout of the step (the rows' real tokens only, in the layout's order)."""
+    layout, order = make_layout(cache, slots, lens, n_new)
+    if layout.dense is not None:
+        return lean_logits(decoder, ids, routes, layout)
+    fed = sorted((order[b], b) for b, n in enumerate(n_new) if n)
+    flat_ids = torch.cat([ids[b, : n_new[b]] for _, b in fed])[None]  # (1, N)
+    flat_routes = torch.cat([routes[b, : n_new[b]] for _, b in fed])[None]
+    logits = lean_logits(decoder, flat_ids, flat_routes, layout)[0]  # (N, V)
+    out = logits.new_zeros((*ids.shape, logits.shape[-1]))
+    for b, n in enumerate(n_new):
+        out[b, :n] = logits[order[b] : order[b] + n]
+    return out
+
+
+def test_flat_layouts_equal_hf_forward_in_float64(tiny):
+    """Rows feeding different numbers of tokens in one forward of real tokens only (no padding, no dummy
+    positions in the linear layers) give HF's padded forward's logits and cached keys/values (float64)."""
+    model, reference, decoder, caches = against_float64(tiny, capacity=32)
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    for slots, lens, n_new in FLAT_STEPS:
+        width = max(n_new)
+        layout, _ = make_layout(caches[torch.float32], slots, lens, n_new)
+        assert (layout.dense is not None) == (min(n_new) == width)
+        if n_new == [1, 0, 3, 1]:
+            decode, extend = layout.segments
+            assert decode.batch.contiguous and decode.batch.positions.shape == (4, 1)
+            assert extend.batch.slots.tolist() == [2] and len(layout.positions[0]) == 5  # real tokens only
+        ids = torch.randint(0, vocab, (len(slots), width), generator=g)
+        routes = torch.randint(-1, 2, (len(slots), width), generator=g)
+        got = flat_logits(decoder, ids, routes, caches[torch.float32], slots, lens, n_new)
+        want = hf_logits(reference, caches[torch.float64], ids, routes,
+                         make_batch(caches[torch.float64], slots, lens, width, n_new))  # fmt: skip
+        for b, n in enumerate(n_new):
+            assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
+    for layer in range(model.config.num_hidden_layers):
+        for k32, k64 in ((caches[torch.float32].k[layer], caches[torch.float64].k[layer]),
+                         (caches[torch.float32].v[layer], caches[torch.float64].v[layer])):  # fmt: skip
+            for slot, length in enumerate([9, 4, 9, 4]):
                 assert_close_ulps(k32[slot, :, :length].double(), k64[slot, :, :length], 256, torch.float32)
 
 

@@ -337,13 +337,15 @@ def test_continuous_batching_200_requests_16_slots_equal_solo(tiny):
 
 
 def generate_with_widths(model, tok, reqs, max_batch):
-    """The engine's turns for `reqs`, and the `(rows, tokens)` shape of every forward it ran."""
+    """The engine's turns for `reqs`, the number of positions every forward it ran computed (padding
+    included), and whether it ran the lean decoder (whose flat forwards compute real tokens only)."""
     widths = []
     hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward embeds its ids
-        lambda _m, args: widths.append(tuple(args[0].shape))
+        lambda _m, args: widths.append(args[0].numel())
     )
     try:
-        return Engine(model, tok, max_batch=max_batch).generate(reqs), widths
+        engine = Engine(model, tok, max_batch=max_batch)
+        return engine.generate(reqs), widths, engine.lean is not None
     finally:
         hook.remove()
 
@@ -362,9 +364,11 @@ def test_group_sharing_a_prompt_prefills_it_once_and_equals_solo(tiny):
         GenerationRequest(other, SamplingParams(seed=6, max_new_tokens=12), route_of=on),
         GenerationRequest(ids, SamplingParams(seed=7, max_new_tokens=12), route_of=off),
     ]
-    turns, widths = generate_with_widths(model, tok, reqs, max_batch=8)
-    assert widths[0] == (3, len(ids)) and len(other) < len(ids)  # one prefill row per distinct prompt
-    assert all(w == (8, 1) for w in widths[1:12])  # then all 8 rows decode
+    turns, widths, flat = generate_with_widths(model, tok, reqs, max_batch=8)
+    assert len(other) < len(ids)
+    # one prefill row per distinct prompt (the lean decoder's flat layout computes no padding)
+    assert widths[0] == (2 * len(ids) + len(other) if flat else 3 * len(ids))
+    assert all(w == 8 for w in widths[1:12])  # then all 8 rows decode
     assert len({tuple(t.completion_ids) for t in turns[:6]}) > 1  # each sample drew its own tokens
     solo = Engine(model, tok, max_batch=1)
     for req, turn in zip(reqs, turns, strict=True):
@@ -399,10 +403,11 @@ def test_prompts_that_start_alike_prefill_the_start_once_and_equal_solo(tiny):
     reqs.append(GenerationRequest(hello, SamplingParams(seed=20, max_new_tokens=10), route_of=a))
     n_a, n_b = common_start(*prompts), common_start(*prompts[:2])
     assert n_a >= len(system) and n_b >= n_a  # the start, and what the two questions also share
-    turns, widths = generate_with_widths(model, tok, reqs, max_batch=8)
+    turns, widths, flat = generate_with_widths(model, tok, reqs, max_batch=8)
     rests = [len(p) - n_a for p in prompts] + [len(p) - n_b for p in prompts[:2]] + [len(hello)]
-    assert widths[:2] == [(2, n_b), (7, max(rests))]  # the two starts at once, then every row's own rest
-    assert all(w == (7, 1) for w in widths[2:10])  # then all 7 rows decode
+    # the two starts at once, then every row's own rest (padded to the longest unless flat)
+    assert widths[:2] == ([n_a + n_b, sum(rests)] if flat else [2 * n_b, 7 * max(rests)])
+    assert all(w == 7 for w in widths[2:10])  # then all 7 rows decode
     solo = Engine(model, tok, max_batch=1)
     for req, turn in zip(reqs, turns, strict=True):
         assert assert_same_or_near_tie(model, req, solo.generate([req])[0], turn) is None

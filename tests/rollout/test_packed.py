@@ -162,6 +162,31 @@ def test_kv_cache_is_sized_to_the_request_and_grows_by_a_quarter(tiny):
     assert engine.cache.capacity == -(-max(len(ids) + first, first + first // 4) // 64) * 64
 
 
+def test_kv_cache_holds_slots_for_the_requests_there_are(tiny):
+    """A large `max_batch` costs nothing until used: 4 requests take 4 of 64 slots; requests arriving one
+    by one while others run double the slots (1, 2, 4: not a copy at every admission), and the running rows
+    keep their keys through the growth: each request equals its solo run."""
+    model, tok = tiny
+    with_adapters(model)
+    reqs = requests(tok, True)
+    solo = [Engine(model, tok, max_batch=1).generate([r])[0] for r in reqs]
+    engine = Engine(model, tok, max_batch=64)
+    engine.generate(reqs)
+    assert engine.cache.slots == 4
+    engine = Engine(model, tok, max_batch=64)
+    slots, done = [], {}
+    for req in reqs:
+        engine.submit(req)
+        for _ in range(2):
+            done.update(engine.step())
+            slots.append(engine.cache.slots)
+    while engine.has_work:
+        done.update(engine.step())
+    assert sorted(set(slots)) == [1, 2, 4] and len(done) == 4
+    for handle, (req, want) in enumerate(zip(reqs, solo, strict=True)):
+        assert_same_or_near_tie(model, req, want, done[handle])
+
+
 def test_kv_cache_memory_is_never_read_before_it_is_zeroed_or_written(tiny, monkeypatch):
     """The cache is allocated unzeroed (`KVCache.reach` zeroes columns as forwards first read them). With
     its fresh memory filled with NaN, rows of different lengths (shorter rows read masked positions) and a
