@@ -16,17 +16,21 @@ full `(B, T, d)` tensor of a padded batch is never assembled.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
+from torch.nn import functional as F
+from transformers import AttentionInterface, DynamicCache
 
-from rolerl.models.attention import GROUPED_SDPA
+from rolerl.models.attention import GROUPED_SDPA, attention_implementation
 from rolerl.models.lora import routes as lora_routes
 from rolerl.roles import KIND_INDEX
 from rolerl.roles import PROMPT as PROMPT_KIND
 from rolerl.types import TrainBatch
 
 PROMPT = KIND_INDEX[PROMPT_KIND]
+PACKED_ROWS = "rolerl_packed_rows"  # no mask function registered: transformers builds no mask for it
 MIN_COMMON = 8  # a common start of different prompts shorter than this is not worth the second pass
 
 
@@ -102,7 +106,7 @@ def _shared_forward(
     firsts: list[int],
 ) -> Tensor:
     ids, device = batch.input_ids, batch.input_ids.device
-    b, u = ids.shape[0], len(firsts)
+    u = len(firsts)
     lengths = batch.attention_mask.sum(-1)  # (B,)
     # 1. the distinct prompts, right-padded to P: (U, P)
     p = int(prompt_len.max())
@@ -120,10 +124,28 @@ def _shared_forward(
             cache=cache,
             use_cache=True,
         ).last_hidden_state  # (U, P, d)
-    # 2. each row's own tokens, right-padded to S, attending to its group's prompt keys and values
-    s = max(int((lengths - prompt_len).max()), 1)
+    # 2. each row's own tokens, attending to its group's prompt keys and values: packed end to end (CPU,
+    # SDPA) or right-padded to the longest; `start[r]` is where row r's first own token is in `s_hidden`
+    own = lengths - prompt_len  # (B,)
+    if _packable(model, ids) and int(own.sum()) > 0:
+        s_hidden, start = _packed_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p)
+    else:
+        s_hidden, start = _padded_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p)
+    # 3. the hidden states at the kept positions: from the prompt pass before the row's prompt ends,
+    # from the row pass after
+    rows, pos = keep.nonzero(as_tuple=True)  # (N,), (N,) row-major, like boolean indexing
+    n_prompt = prompt_len[rows]
+    index = torch.where(pos < n_prompt, group[rows] * p + pos, u * p + start[rows] + (pos - n_prompt))
+    flat = torch.cat([p_hidden.reshape(u * p, -1), s_hidden])  # (U·P + rows' positions, d)
+    return flat.index_select(0, index)
+
+
+def _padded_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p) -> tuple[Tensor, Tensor]:
+    """The row pass right-padded to the longest row `S`: `(B·S, d)` hidden states, row r's at `r·S`."""
+    ids, device = batch.input_ids, batch.input_ids.device
+    b, s = ids.shape[0], max(int(own.max()), 1)
     cols = prompt_len[:, None] + torch.arange(s, device=device)[None, :]  # (B, S) positions in the row
-    s_valid = cols < lengths[:, None]  # (B, S)
+    s_valid = cols < (prompt_len + own)[:, None]  # (B, S)
     at = cols.clamp(max=ids.shape[1] - 1)
     s_ids = torch.where(s_valid, ids.gather(1, at), ids.new_zeros(()))
     s_routes = routes if isinstance(routes, int) else torch.where(s_valid, routes.gather(1, at), -1)
@@ -138,13 +160,92 @@ def _shared_forward(
             cache=rows_cache,
             use_cache=True,
         ).last_hidden_state  # (B, S, d)
-    # 3. the hidden states at the kept positions: from the prompt pass before the row's prompt ends,
-    # from the row pass after
-    rows, pos = keep.nonzero(as_tuple=True)  # (N,), (N,) row-major, like boolean indexing
-    n_prompt = prompt_len[rows]
-    index = torch.where(pos < n_prompt, group[rows] * p + pos, u * p + rows * s + (pos - n_prompt))
-    flat = torch.cat([p_hidden.reshape(u * p, -1), s_hidden.reshape(b * s, -1)])  # (U·P + B·S, d)
-    return flat.index_select(0, index)
+    return s_hidden.reshape(b * s, -1), torch.arange(b, device=device) * s
+
+
+def _packable(model: nn.Module, ids: Tensor) -> bool:
+    """Whether the row pass can run packed: SDPA on CPU (GPUs keep one padded kernel call per layer; the
+    trainer's eager attention under bf16 autocast keeps its padded masks)."""
+    return ids.device.type == "cpu" and model.config._attn_implementation in ("sdpa", GROUPED_SDPA)
+
+
+def _packed_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p) -> tuple[Tensor, Tensor]:
+    """The row pass with every row's own tokens packed end to end, `(1, N)`: the linear layers compute no
+    padding (RL completions end anywhere up to the token limit: ~a third of a padded pass in `rolerl demo`).
+    Attention runs per row (`packed_rows_attention`) over the prompt cache laid out as one `(1, Hkv, U·P,
+    D)` row. Returns `(N, d)` hidden states and row r's offset in them."""
+    ids, device = batch.input_ids, batch.input_ids.device
+    start = torch.cat([own.new_zeros(1), own.cumsum(0)[:-1]])  # (B,)
+    n = int(own.sum())
+    row_of = torch.repeat_interleave(torch.arange(len(own), device=device), own)  # (N,)
+    cols = prompt_len[row_of] + torch.arange(n, device=device) - start[row_of]  # (N,) positions in the row
+    s_ids = ids[row_of, cols][None]  # (1, N)
+    s_routes = routes if isinstance(routes, int) else routes[row_of, cols][None]
+    rows_cache = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        u, hkv, _, d = layer.keys.shape
+        rows_cache.update(
+            layer.keys.transpose(0, 1).reshape(1, hkv, u * p, d),
+            layer.values.transpose(0, 1).reshape(1, hkv, u * p, d),
+            i,
+        )  # (1, Hkv, U·P, D): prompt g's keys in columns [g·P, g·P + its length)
+    layout = PackedRows.of(own.tolist(), (group * p).tolist(), prompt_len.tolist(), u * p, device)
+    with lora_routes(model, s_routes), attention_implementation(model, PACKED_ROWS):
+        s_hidden = decoder(
+            input_ids=s_ids, position_ids=cols[None], cache=rows_cache, use_cache=True, rolerl_rows=layout
+        ).last_hidden_state  # (1, N, d)
+    return s_hidden[0], start
+
+
+@dataclass
+class PackedRows:
+    """Where each row of a packed row pass is: its queries `[starts[i], starts[i + 1])`, its prompt's keys
+    `[prompts[i][0], + prompts[i][1])` of the prompt cache, its own keys after the cache's `own` columns;
+    `masks[i]` `(L_i, prompt + L_i)`: every prompt key, its own keys causally. Rows without own tokens are
+    left out."""
+
+    starts: list[int]
+    prompts: list[tuple[int, int]]
+    masks: list[Tensor]
+    own: int
+
+    @classmethod
+    def of(cls, lengths, firsts, prompt_lengths, own: int, device) -> PackedRows:
+        starts, prompts, masks, at, made = [0], [], [], 0, {}
+        for length, first, count in zip(lengths, firsts, prompt_lengths, strict=True):
+            if length == 0:
+                continue
+            at += length
+            starts.append(at)
+            prompts.append((first, count))
+            if (count, length) not in made:
+                causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+                made[count, length] = torch.cat(
+                    [torch.ones(length, count, dtype=torch.bool, device=device), causal], 1
+                )
+            masks.append(made[count, length])
+        return cls(starts, prompts, masks, own)
+
+
+def packed_rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention over a packed row pass (`PackedRows`, passed as `rolerl_rows`): query
+    `(1, H, N, D)`, key/value `(1, Hkv, U·P + N, D)` (the prompt cache, then the pass's own keys); per row,
+    one SDPA call of its queries over its prompt's keys and its own. Grouped K/V heads are not repeated."""
+    rows: PackedRows = kwargs["rolerl_rows"]
+    outs = []
+    for i, mask in enumerate(rows.masks):
+        a, b = rows.starts[i], rows.starts[i + 1]
+        first, count = rows.prompts[i]
+        k, v = (
+            torch.cat([x[:, :, first : first + count], x[:, :, rows.own + a : rows.own + b]], 2)
+            for x in (key, value)
+        )
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, a:b], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        )  # (1, H, L_i, D)
+    return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
 
 
 def _suffix_mask(model: nn.Module, prompt_len: Tensor, p: int, s: int) -> Tensor:
@@ -161,3 +262,6 @@ def _suffix_mask(model: nn.Module, prompt_len: Tensor, p: int, s: int) -> Tensor
         return allowed
     zero = torch.zeros((), device=device)
     return torch.where(allowed, zero, torch.full((), torch.finfo(torch.float32).min, device=device))
+
+
+AttentionInterface.register(PACKED_ROWS, packed_rows_attention)

@@ -73,7 +73,10 @@ def test_shared_prefix_equals_plain_forward(arch, attn, tokenizer):
         lambda _m, _a, kw: calls.append(kw["input_ids"].shape), with_kwargs=True
     )
     shared, g_shared = logprobs_and_grads(model, batch, share=True)
-    assert calls == [(3, 9), (6, 12)]  # 3 prompts of <= 9 tokens once, then 6 rows of <= 12 own tokens
+    own = int((batch.attention_mask.sum(-1) - batch.attention_mask.new_tensor([5, 5, 5, 9, 9, 2])).sum())
+    # 3 prompts of <= 9 tokens once, then the 6 rows' own tokens: packed end to end under SDPA on the CPU
+    # (44 positions), padded to the longest row (6 x 12) under eager attention
+    assert calls == [(3, 9), (1, own) if attn == "sdpa" else (6, 12)] and own == 44
     hook.remove()
     plain, g_plain = logprobs_and_grads(model, batch, share=False)
     mask = batch.loss_mask[:, :-1].bool()
@@ -98,8 +101,8 @@ def test_different_prompts_share_their_common_start(arch, tokenizer):
     )
     shared, g_shared = logprobs_and_grads(model, batch, share=True)
     hook.remove()
-    # the 10-token start once, then 4 rows of <= 11 own tokens (the plain forward: 4 rows of <= 21)
-    assert calls == [(1, 10), (4, 11)]
+    # the 10-token start once, then the 4 rows' own tokens packed (the plain forward: 4 rows of <= 21)
+    assert calls == [(1, 10), (1, int(batch.attention_mask.sum()) - 4 * 10)]
     plain, g_plain = logprobs_and_grads(model, batch, share=False)
     torch.testing.assert_close(shared.logp, plain.logp, rtol=0, atol=1e-10)
     mask = batch.loss_mask[:, :-1].bool()
@@ -116,6 +119,22 @@ def test_different_prompts_share_their_common_start(arch, tokenizer):
     # a start routed differently on one row is not common past that position
     batch.routes[2, 3] = 1 - int(batch.routes[2, 3])
     assert prefix._plan(model, batch) is None  # 3 common positions: below prefix.MIN_COMMON
+
+
+def test_packed_rows_take_a_row_without_tokens_of_its_own(tokenizer):
+    """A row that is all prompt (no completion token) has no queries in the packed row pass; the others
+    still equal the plain forward."""
+    model, route_of = routed_model("llama", tokenizer, dtype=torch.float64)
+    batch = grouped_batch(route_of)
+    batch.attention_mask[2, 5:] = 0  # row 2 (prompt of 5 tokens) keeps only its prompt
+    batch.loss_mask[2] = 0
+    layout = prefix.PackedRows.of([3, 0, 4], [0, 0, 9], [5, 5, 9], 18, "cpu")
+    assert layout.starts == [0, 3, 7] and layout.prompts == [(0, 5), (9, 9)]
+    assert layout.masks[1].shape == (4, 13) and layout.masks[1][0].tolist() == [True] * 10 + [False] * 3
+    with torch.no_grad():
+        shared = token_logprobs(model, batch, temperature=1.0, share_prefix=True).logp
+        plain = token_logprobs(model, batch, temperature=1.0, share_prefix=False).logp
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-10)
 
 
 def test_reference_route_and_bf16_autocast(tokenizer):
