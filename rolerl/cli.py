@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 EPILOG = """examples:
   rolerl demo                                  base eval -> imitation -> GRPO -> eval (~15 min on CPU)
-  rolerl demo --quick                          a ~3 minute pipeline check of every stage
+  rolerl demo --quick                          a ~2 minute pipeline check of every stage
   rolerl generate --prompt "What is 2**10?" --tools python --greedy --json
   rolerl adapters --model default --names reason tool --rank 8 --out adapters/
   rolerl train configs/smoke.yaml --set train.steps=5 run.dir=runs/smoke
@@ -69,7 +69,7 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a ~3 minute pipeline check of every stage (fewer problems, 2 RL steps: too few to show a gain)",
+        help="a ~2 minute pipeline check of every stage (fewer problems, 2 RL steps: too few to show a gain)",
     )
     p.add_argument(
         "--steps", type=int, default=None, help="GRPO steps (default: rolerl/configs/demo.yaml, 10)"

@@ -30,7 +30,7 @@ from rolerl.workflows.tir import TIR
 
 @dataclass
 class DemoSettings:
-    """What `rolerl demo` runs; `quick_check()` is the 3-minute pipeline check. Training hyperparameters not here come
+    """What `rolerl demo` runs; `quick_check()` is the 2-minute pipeline check. Training hyperparameters not here come
     from `rolerl/configs/demo.yaml` (overridable with `--set`)."""
 
     model: str = "default"
@@ -48,7 +48,7 @@ class DemoSettings:
 
     @classmethod
     def quick_check(cls, **kw: Any) -> DemoSettings:
-        """About 3 minutes on 2 cores: fewer problems and demonstrations, 2 GRPO steps of 2 x 8 episodes.
+        """About 2 minutes on 2 cores: fewer problems and demonstrations, 2 GRPO steps of 2 x 8 episodes.
         It checks that every stage works on this machine; 2 steps are too few to move accuracy."""
         overrides = ("train.tasks_per_step=2", *kw.pop("overrides", ()))  # the user's --set wins
         return cls(**{"demos": 48, "eval_format": 8, "eval_rl": 24, "eval_base": 8, "rl_steps": 2,

@@ -125,9 +125,10 @@ def _shared_forward(
             use_cache=True,
         ).last_hidden_state  # (U, P, d)
     # 2. each row's own tokens, attending to its group's prompt keys and values: packed end to end (CPU,
-    # SDPA) or right-padded to the longest; `start[r]` is where row r's first own token is in `s_hidden`
+    # SDPA, rows of different lengths) or right-padded to the longest (one attention call per layer, where
+    # packing would remove no padding); `start[r]` is where row r's first own token is in `s_hidden`
     own = lengths - prompt_len  # (B,)
-    if _packable(model, ids) and int(own.sum()) > 0:
+    if _packable(model, ids) and int(own.min()) < int(own.max()):
         s_hidden, start = _packed_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p)
     else:
         s_hidden, start = _padded_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p)

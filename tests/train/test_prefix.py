@@ -137,6 +137,31 @@ def test_packed_rows_take_a_row_without_tokens_of_its_own(tokenizer):
     torch.testing.assert_close(shared, plain, rtol=0, atol=1e-10)
 
 
+def test_rows_of_one_length_take_the_padded_pass(tokenizer):
+    """Packing removes padding; rows whose own tokens are all as long have none, and keep one attention
+    call per layer (the padded pass: `(rows, length)` ids)."""
+    model, route_of = routed_model("llama", tokenizer, dtype=torch.float64)
+    batch = grouped_batch(route_of, groups=((5, 1), (9, 1)))
+    batch.attention_mask[0, 9:] = 0  # row 0: a 5-token prompt and 4 own tokens
+    batch.loss_mask[0, 9:] = 0
+    batch.input_ids[1] = batch.input_ids[0]  # row 1 the same: one group of two rows of 4 own tokens
+    batch.routes[1] = batch.routes[0]
+    batch.kind_ids[1] = batch.kind_ids[0]
+    batch.attention_mask[1] = batch.attention_mask[0]
+    batch.loss_mask[1] = batch.loss_mask[0]
+    calls = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    with torch.no_grad():
+        shared = token_logprobs(model, batch, temperature=1.0, share_prefix=True).logp
+    hook.remove()
+    assert calls == [(1, 5), (2, 4)]
+    with torch.no_grad():
+        plain = token_logprobs(model, batch, temperature=1.0, share_prefix=False).logp
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-10)
+
+
 def test_reference_route_and_bf16_autocast(tokenizer):
     """route -1 (the KL reference) through the shared path equals the plain one; under CPU bf16 autocast
     (eager attention, additive mask) the two paths agree within bf16 rounding."""
