@@ -171,27 +171,27 @@ class Engine:
             if row.future is not None and row.future.done():
                 self._splice_tool_output(row)
         self._admit()
-        extend = [
-            i for i, r in enumerate(self.active) if r.future is None and len(r.pending) > 1 and not r.finish
-        ]
-        decode = [
-            i for i, r in enumerate(self.active) if r.future is None and len(r.pending) == 1 and not r.finish
-        ]
+        extend, decode = self._ready(several=True), self._ready(several=False)
         if extend and decode and self.lean is not None:
             self._extend(extend, decode)  # one forward: its flat layout gives no row another's length
             return self._retire()
         if extend:
             self._extend(extend)
-            decode = [
-                i
-                for i, r in enumerate(self.active)
-                if r.future is None and len(r.pending) == 1 and not r.finish
-            ]
+            decode = self._ready(several=False)  # the extended rows too: each sampled one token
         if decode:
             self._forward_and_sample(list(range(len(self.active))), sample_rows=set(decode))
         elif not extend and self.active:
             time.sleep(0.001)  # every row waits on a tool
         return self._retire()
+
+    def _ready(self, several: bool) -> list[int]:
+        """Active rows that are not waiting on a tool, with several pending tokens (a prompt, spliced tool
+        output) or exactly one (a decode step)."""
+        return [
+            i
+            for i, r in enumerate(self.active)
+            if r.future is None and not r.finish and (len(r.pending) > 1 if several else len(r.pending) == 1)
+        ]
 
     def reset(self) -> None:
         """Drop every active and waiting request (after a failure); the cache is kept."""

@@ -10,6 +10,9 @@ prompt and 128-token completions in groups of 8, that is 27% fewer positions thr
 fewer activations kept for backward. Rows whose prompts all differ but start alike (the system prompt of
 imitation data: ~47 of ~110 positions in `rolerl demo`) share that start the same way.
 
+On CPU under SDPA, rows of different lengths run that second pass packed end to end (`PackedRows`: one
+`(1, N)` pass of real tokens, attention per row), so the linear layers compute no padding either.
+
 `hidden_at` returns the final hidden states at the positions asked for (the loss positions), so the
 full `(B, T, d)` tensor of a padded batch is never assembled.
 """
@@ -172,7 +175,7 @@ def _packable(model: nn.Module, ids: Tensor) -> bool:
 
 def _packed_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p) -> tuple[Tensor, Tensor]:
     """The row pass with every row's own tokens packed end to end, `(1, N)`: the linear layers compute no
-    padding (RL completions end anywhere up to the token limit: ~a third of a padded pass in `rolerl demo`).
+    padding (RL completions end anywhere up to the token limit).
     Attention runs per row (`packed_rows_attention`) over the prompt cache laid out as one `(1, Hkv, U·P,
     D)` row. Returns `(N, d)` hidden states and row r's offset in them."""
     ids, device = batch.input_ids, batch.input_ids.device
