@@ -62,12 +62,13 @@ def step(batch: int, kv: int, runs: int) -> None:
 
     import rolerl
     from rolerl.rollout.engine import Engine
-    from rolerl.rollout.kv import engine_forward, make_batch
+    from rolerl.rollout.kv import KVCache, engine_forward, make_batch
     from rolerl.rollout.packed import PackedLinears, packed_linear
 
     model, tok = rolerl.load_model("default", dtype="float32")
     engine = Engine(model, tok, max_batch=batch)  # its lean decoder (rolerl.rollout.decoder)
-    engine._ensure_cache(kv + 64)
+    engine.cache = KVCache(model.config, batch, kv + 64, engine.dtype, engine.device)  # a slot per row
+    engine.cache.reach(kv + 64)
     twin = copy.deepcopy(model)  # HF's forward with the engine's attention, on its own packed weights
     twin_packed = PackedLinears(twin, batch)
     twin_decoder = twin.get_decoder()

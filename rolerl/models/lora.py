@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 RouteLike = torch.Tensor | int | str | None
@@ -200,7 +201,32 @@ class RoutedLoRALinear(nn.Module):
         self.__dict__.pop("_stack_cache", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+            fused = self._fused_train(x)
+            if fused is not None:
+                return fused
         return self._add_adapters(x, self.base_layer(x))
+
+    def _fused_train(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Training's forward as one autograd node (`_LoRALinear`), or None where it does not apply (dropout,
+        the gather implementation, no adapter used, a dtype other than the weights')."""
+        plan = self.state.plan(self._carried)
+        if plan is None or self.impl != "masked":
+            return None
+        used, specs, uniform = plan
+        w, bias = self.base_layer.weight, self.base_layer.bias
+        if x.dtype != w.dtype or any(s.dropout > 0 for s in specs) or w.requires_grad:
+            return None  # (a base unfrozen by hand keeps autograd's path: this node gives W no gradient)
+        if bias is not None and bias.requires_grad:
+            return None
+        if isinstance(self.state.route, torch.Tensor) and self.state.route.shape != x.shape[:-1]:
+            return None  # _add_adapters raises the error that names the shapes
+        a, b = self._stacked(tuple(s.name for s in specs), x.dtype)  # (R, in), (out, R): differentiable
+        if uniform:
+            mask = torch.full((1, a.shape[0]), specs[0].scaling, dtype=x.dtype, device=x.device)
+        else:
+            mask = self.state.mask(tuple(used), [s.rank for s in specs], [s.scaling for s in specs], x)
+        return _LoRALinear.apply(x, w, bias, a, b, mask)
 
     def adapt_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the routed adapters' output for input `x` to `y` (this layer's base output, possibly a view
@@ -283,6 +309,40 @@ class RoutedLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"adapters={list(self.lora_A)}"
+
+
+class _LoRALinear(torch.autograd.Function):
+    """`y = x W^T + bias + ((x A^T) * mask) B^T` with a frozen `W` and `bias`, as one autograd node.
+
+    The same GEMMs as autograd runs through `base_layer(x) + delta`, without the elementwise passes around
+    them: the adapter's output accumulates into the base output inside the second GEMM (`addmm_`), and in
+    backward the adapter's input gradient into the base's (`addmm_`), instead of an add of two `(N, out)`
+    (`(N, in)`) tensors each. `mask` is `(N, R)` per token (routes mixing adapters, scalings included) or
+    `(1, R)` (one adapter for every token: its scaling). Saved for backward: `x` (alive anyway) and the
+    `(N, R)` rank activations."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, mask):
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        h = (x2 @ a.T).mul_(mask)  # (N, R) rank activations, scaled and routed
+        y = F.linear(x2, weight, bias)  # (N, out)
+        y.addmm_(h, b.T)
+        ctx.save_for_backward(x2, weight, a, b, mask, h)
+        ctx.in_shape = x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x2, weight, a, b, mask, h = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        gb = g.T @ h if ctx.needs_input_grad[4] else None  # (out, R)
+        gh = (g @ b).mul_(mask)  # (N, R)
+        ga = gh.T @ x2 if ctx.needs_input_grad[3] else None  # (R, in)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ weight).addmm_(gh, a).view(ctx.in_shape)  # (N, in)
+        return gx, None, None, ga, gb, None
 
 
 class FusedAdapters:

@@ -19,10 +19,11 @@ full `(B, T, d)` tensor of a padded batch is never assembled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from transformers import AttentionInterface, DynamicCache
 
@@ -212,6 +213,26 @@ class PackedRows:
     prompts: list[tuple[int, int]]
     masks: list[Tensor]
     own: int
+    _additive: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def additive_masks(self, dtype: torch.dtype) -> list[Tensor]:
+        """`masks` as `(1, 1, L_i, prompt + L_i)` additive masks (0 / -inf) of `dtype`, as SDPA turns a
+        boolean mask into for its kernel; built once per pass (every layer reads them)."""
+        if dtype not in self._additive:
+            made: dict[int, Tensor] = {}
+            for m in self.masks:
+                if id(m) not in made:  # rows of one (prompt, length) share one boolean mask
+                    made[id(m)] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                        ~m, float("-inf")
+                    )[None, None]
+            self._additive[dtype] = [made[id(m)] for m in self.masks]
+        return self._additive[dtype]
+
+    def row_keys(self, key: Tensor, i: int) -> Tensor:
+        """Row i's keys (or values) `(1, Hkv, prompt + L_i, D)`: its prompt's cache columns, then its own."""
+        first, count = self.prompts[i]
+        a, b = self.own + self.starts[i], self.own + self.starts[i + 1]
+        return torch.cat([key[:, :, first : first + count], key[:, :, a:b]], 2)
 
     @classmethod
     def of(cls, lengths, firsts, prompt_lengths, own: int, device) -> PackedRows:
@@ -236,6 +257,8 @@ def packed_rows_attention(module, query, key, value, attention_mask, dropout=0.0
     `(1, H, N, D)`, key/value `(1, Hkv, U·P + N, D)` (the prompt cache, then the pass's own keys); per row,
     one SDPA call of its queries over its prompt's keys and its own. Grouped K/V heads are not repeated."""
     rows: PackedRows = kwargs["rolerl_rows"]
+    if query.device.type == "cpu" and dropout == 0.0:
+        return _PackedRowsAttention.apply(query, key, value, rows, scaling), None
     outs = []
     for i, mask in enumerate(rows.masks):
         a, b = rows.starts[i], rows.starts[i + 1]
@@ -250,6 +273,59 @@ def packed_rows_attention(module, query, key, value, attention_mask, dropout=0.0
             )
         )  # (1, H, L_i, D)
     return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _PackedRowsAttention(torch.autograd.Function):
+    """`packed_rows_attention` on CPU as one autograd node over the pass's whole query, key and value.
+
+    Per row it calls the kernel SDPA dispatches to on CPU (flash attention; grouped K/V heads read in
+    place), forward and backward, so values and each row's gradients are SDPA's. What autograd through
+    the per-row slices and cats would add is gone: every row's slice of the query and keys gave backward
+    a zero-filled gradient of the whole pass's shape (`SliceBackward`, 8 rows x 5 slices x 30 layers per
+    imitation step in `rolerl demo`), and the row outputs a cat. Here each row's gradients land in their
+    columns of one query, key and value gradient (the prompt's keys, read by every row of its group,
+    accumulate). Saved: each row's output and log-sum-exp, as SDPA's node saves."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, rows: PackedRows, scale):
+        masks = rows.additive_masks(query.dtype)
+        outs, lses = [], []
+        for i, mask in enumerate(masks):
+            a, b = rows.starts[i], rows.starts[i + 1]
+            out, lse = _flash(
+                query[:, :, a:b], rows.row_keys(key, i), rows.row_keys(value, i), attn_mask=mask, scale=scale
+            )  # (1, H, L_i, D), (1, H, L_i)
+            outs.append(out)
+            lses.append(lse)
+        ctx.save_for_backward(query, key, value, *outs, *lses)
+        ctx.rows, ctx.scale = rows, scale
+        return torch.cat(outs, 2).transpose(1, 2).contiguous()  # (1, N, H, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        query, key, value, *saved = ctx.saved_tensors
+        rows: PackedRows = ctx.rows
+        n = len(rows.masks)
+        outs, lses = saved[:n], saved[n:]
+        grad = grad.transpose(1, 2)  # (1, H, N, D)
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for i, mask in enumerate(rows.additive_masks(query.dtype)):
+            a, b = rows.starts[i], rows.starts[i + 1]
+            first, count = rows.prompts[i]
+            gq, gk, gv = _flash_backward(
+                grad[:, :, a:b], query[:, :, a:b], rows.row_keys(key, i), rows.row_keys(value, i),
+                outs[i], lses[i], 0.0, False, attn_mask=mask, scale=ctx.scale,
+            )  # fmt: skip
+            dq[:, :, a:b] = gq
+            for total, part in ((dk, gk), (dv, gv)):
+                total[:, :, first : first + count] += part[:, :, :count]  # the prompt: shared by its group
+                total[:, :, rows.own + a : rows.own + b] = part[:, :, count:]  # the row's own keys
+        return dq, dk, dv, None, None
 
 
 def _suffix_mask(model: nn.Module, prompt_len: Tensor, p: int, s: int) -> Tensor:

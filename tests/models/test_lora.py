@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import rolerl
-from rolerl.models.lora import RoutedLoRALinear, adapter_specs, routed_layers
+from rolerl.models.lora import AdapterSpec, RoutedLoRALinear, RouteState, adapter_specs, routed_layers
 from tests.tolerance import assert_close_ulps
 
 NAMES = ["reason", "tool", "answer", "unused"]  # three used, one no token is routed to
@@ -350,3 +350,50 @@ def test_gather_implementation_equals_masked(routed, pattern, monkeypatch):
     assert ga.keys() == gb.keys() and ga
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], atol=1e-4 * ga[name].abs().max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("route", ["uniform", "mixed"])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_training_node_equals_autograd_composition_in_float64(route, x_grad):
+    """`_LoRALinear` (training's forward as one node: the adapter accumulated into the base GEMM's output,
+    its input gradient into the base's) gives autograd's values and gradients through `base(x) + delta`,
+    in float64; an input without grad gets none, a base unfrozen by hand keeps autograd's path."""
+    g = torch.Generator().manual_seed(21)
+    state = RouteState({"r": AdapterSpec("r", 4, 8.0), "t": AdapterSpec("t", 2, 3.0)})
+    layer = RoutedLoRALinear(torch.nn.Linear(12, 7, bias=True), state)
+    for spec in state.adapters.values():
+        layer.add_adapter(spec)
+    with torch.no_grad():
+        for p in [*layer.lora_A.values(), *layer.lora_B.values()]:
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    layer.double()
+    routes = torch.randint(-1, 2, (3, 5), generator=g) if route == "mixed" else 0
+    state.set(routes)
+    x = torch.randn(3, 5, 12, generator=g, dtype=torch.float64).requires_grad_(x_grad)
+    probe = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
+
+    def run(fused: bool):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x) if fused else layer._add_adapters(x, layer.base_layer(x))
+        (y * probe).sum().backward()
+        grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+        return y.detach(), grads, x.grad
+
+    y_fused, g_fused, x_fused = run(True)
+    y_plain, g_plain, x_plain = run(False)
+    torch.testing.assert_close(y_fused, y_plain, rtol=1e-12, atol=1e-12)
+    assert g_fused.keys() == g_plain.keys()
+    used = {"r"} if route == "uniform" else {"r", "t"}
+    assert {n.split(".")[1] for n in g_fused} == used  # lora_A.<name> / lora_B.<name>: used adapters only
+    for name in g_plain:
+        torch.testing.assert_close(g_fused[name], g_plain[name], rtol=1e-12, atol=1e-12)
+    if x_grad:
+        torch.testing.assert_close(x_fused, x_plain, rtol=1e-12, atol=1e-12)
+    else:
+        assert x_fused is None and x_plain is None
+    node = type(layer(x).grad_fn).__name__
+    assert node == "_LoRALinearBackward", node  # the fused node ran (not a fallback)
+    layer.base_layer.weight.requires_grad_(True)  # unfrozen by hand: the fused node would drop its gradient
+    layer(x).sum().backward()
+    assert layer.base_layer.weight.grad is not None

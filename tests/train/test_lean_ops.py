@@ -50,10 +50,13 @@ def kept_down_inputs(model, ids) -> int:
             continue
         seen.add(node)
         for name in dir(node):
-            if name.startswith("_saved_"):
-                value = getattr(node, name)
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in ptrs:
-                    found += 1
+            # C++ nodes expose `_saved_<name>`; a custom Function's (`rolerl.models.lora._LoRALinear`)
+            # `saved_tensors`, unpacked through the saved-tensor hooks as its backward would see them
+            if name.startswith("_saved_") or name == "saved_tensors":
+                values = getattr(node, name)
+                for value in values if isinstance(values, tuple) else (values,):
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in ptrs:
+                        found += 1
         stack += [n for n, _ in node.next_functions]
     return found
 
