@@ -259,14 +259,10 @@ def packed_rows_attention(module, query, key, value, attention_mask, dropout=0.0
     rows: PackedRows = kwargs["rolerl_rows"]
     if query.device.type == "cpu" and dropout == 0.0:
         return _PackedRowsAttention.apply(query, key, value, rows, scaling), None
-    outs = []
+    outs = []  # attention dropout in training: SDPA per row under autograd
     for i, mask in enumerate(rows.masks):
         a, b = rows.starts[i], rows.starts[i + 1]
-        first, count = rows.prompts[i]
-        k, v = (
-            torch.cat([x[:, :, first : first + count], x[:, :, rows.own + a : rows.own + b]], 2)
-            for x in (key, value)
-        )
+        k, v = rows.row_keys(key, i), rows.row_keys(value, i)
         outs.append(
             F.scaled_dot_product_attention(
                 query[:, :, a:b], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
@@ -314,6 +310,7 @@ class _PackedRowsAttention(torch.autograd.Function):
         outs, lses = saved[:n], saved[n:]
         grad = grad.transpose(1, 2)  # (1, H, N, D)
         dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        # each row's keys are gathered again (small copies) rather than kept from forward for backward
         for i, mask in enumerate(rows.additive_masks(query.dtype)):
             a, b = rows.starts[i], rows.starts[i + 1]
             first, count = rows.prompts[i]
