@@ -30,7 +30,7 @@ import torch
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
-from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout
+from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout, trim_heap
 from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import sample
@@ -232,39 +232,50 @@ class Engine:
 
     def _admit(self) -> None:
         budget = self.max_tokens - sum(r.max_length for r in self.active) if self.max_tokens else 0
-        while self.waiting and len(self.active) < self.max_batch:
-            need = self.waiting[0].max_length
-            if self.max_tokens and self.active and need > budget:
+        joining = 0
+        for row in self.waiting:
+            if len(self.active) + joining >= self.max_batch:
+                break
+            if self.max_tokens and (self.active or joining) and row.max_length > budget:
                 break  # the token budget is full; an empty batch always admits one request
-            budget -= need
-            self._ensure_cache(need)
+            budget -= row.max_length
+            joining += 1
+        if not joining:
+            return
+        need = max(self.waiting[i].max_length for i in range(joining))
+        self._ensure_cache(len(self.active) + joining, need)
+        for _ in range(joining):
             self.active.append(self.waiting.popleft())
 
-    def _ensure_cache(self, need: int) -> None:
-        """Room for the next waiting request: `need` positions in slot `len(self.active)`."""
+    def _ensure_cache(self, rows: int, need: int) -> None:
+        """Room for `rows` rows (the active ones first, in their slots) of up to `need` positions each."""
         old = self.cache
-        if old is not None and old.capacity >= need and old.slots > len(self.active):
+        if old is not None and old.capacity >= need and old.slots >= rows:
             return
-        # sized to the longest request, not a power of two (a 1,100-position row would hold 2,048); when a
-        # longer request comes, grow by at least a quarter so that rising lengths do not copy every time
-        if old is None:
-            capacity = max(need, 64)
+        carry = old is not None and bool(self.active)
+        if old is not None and not carry:
+            # nothing to copy: free it before allocating the next one (both alive at once were the peak of a
+            # rollout longer than the previous one: +127 MB at batch 32 x 512 tokens after 16)
+            self.cache = old = None
+            trim_heap()
+        # sized to the longest request joining now (not a power of two: a 1,100-position row would hold
+        # 2,048); growing under running rows copies them, so by at least a quarter: rising lengths do not
+        # copy every time. Multiples of 8 positions: prompts a few tokens longer reuse the cache.
+        if not carry:
+            capacity = need
         else:
             capacity = old.capacity if old.capacity >= need else max(need, old.capacity + old.capacity // 4)
-        capacity = -(-capacity // 64) * 64
+        capacity = -(-capacity // 8) * 8
         # slots for the requests there are, up to `max_batch` (which costs nothing until used); doubling when
         # requests come one by one, so that the rows are not copied at every admission
-        if old is not None and old.slots > len(self.active):
+        if carry and old.slots >= rows:
             slots = old.slots
         else:
             wanted = len(self.active) + len(self.waiting)
-            slots = min(self.max_batch, max(wanted, 2 * old.slots if old is not None else 1))
+            slots = min(self.max_batch, max(wanted, rows, 2 * old.slots if carry else 1))
         self.cache = KVCache(self.model.config, slots, capacity, self.dtype, self.device)
-        if old is not None:
-            self.cache.reach(old.zeroed)  # before the copies: reaching them later would zero them
-            for i, row in enumerate(self.active):
-                for src, dst in zip((*old.k, *old.v), (*self.cache.k, *self.cache.v), strict=True):
-                    dst[i, :, : row.cache_len] = src[i, :, : row.cache_len]
+        if carry:
+            self.cache.take_rows(old, len(self.active))
 
     def _extend(self, indices: list[int], decode: Sequence[int] = ()) -> None:
         """Prefill prompts and splice tool output. Rows with the same fresh prompt (ids and routes: the `n`

@@ -10,9 +10,11 @@ step take 1.6x less time than `F.linear`'s, on AVX-512 and with oneDNN and MKL l
 the LM head; the adapters' small matrices stay as they are), layers that read one input side by side when
 asked (`groups`: the engine's lean decoder runs q/k/v and gate/up as one GEMM each), and, inside
 `with packed():`, runs those layers on the packed copies. Inference only: no autograd. A weight that
-changes (its tensor version or storage moves, e.g. a trainable base) is packed again on the next use. The packed copies take as much
-memory as the weights they copy; a model only the engine uses (`release()`: a rollout copy in another dtype,
-or a generation-only model) keeps the packed copies alone and frees the plain weights.
+changes (its tensor version or storage moves, e.g. a trainable base) is packed again on the next use. The
+packed copies take as much memory as the weights they copy; a model only the engine uses (`release()`: a
+rollout copy in another dtype, or a generation-only model) keeps the packed copies alone and frees the plain
+weights. An fp32 LM head tied to the input embeddings is never copied: oneDNN runs it on that matrix itself
+(`PackedLinears._tied`).
 """
 
 from __future__ import annotations
@@ -174,6 +176,24 @@ class PackedLinears:
         self.released = True
         return freed
 
+    def _tied(self, m: nn.Linear) -> bool:
+        """Whether `m` is an fp32 linear whose weight another module owns too: an LM head tied to the input
+        embeddings. Such a head runs oneDNN's linear on that matrix itself, with no packed copy: a packed
+        copy is opaque (no row can be read back for the token lookups), so the matrix was held twice
+        (+113 MB on the default model, +545 MB for Qwen2.5-0.5B in fp32). On the plain matrix oneDNN ran
+        the default model's head about as fast (2 AVX2 cores, in the engine, alternating, 6-9 generations
+        of 128 tokens: 0.97x the packed head's tokens/s at batch 8, 1.01x at 32; docs/BENCHMARKS.md).
+        Measured in fp32 only: other dtypes keep the packed copy."""
+        if m.weight.dtype != torch.float32:
+            return False
+        ptr = m.weight.data_ptr()
+        return any(
+            p.data_ptr() == ptr
+            for module in self.model.modules()
+            if type(module) is not nn.Linear
+            for p in module.parameters(False)
+        )
+
     def _install(self, *groups: tuple[nn.Linear, ...]) -> None:
         """Each linear's forward on its group's packed weight (a member of a larger group keeps its own
         columns of the group's output; through __dict__: nn.Module.__setattr__ costs ~1 ms per step here).
@@ -207,7 +227,10 @@ class PackedLinears:
                     for m, c in zip(group, carriers, strict=True)
                 ]
                 w = w + torch.cat(deltas)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
+            if len(group) == 1 and not any(carriers) and self._tied(group[0]):
+                packed = w.detach()  # a tied head: on the embeddings' own matrix (`_tied`)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
             biases = [m.bias for m in group]
             if all(b is None for b in biases):
                 bias = None

@@ -94,16 +94,44 @@ def test_a_changed_base_weight_is_packed_again(tiny):
     assert [t.completion_ids for t in after] != [t.completion_ids for t in before]
 
 
+def same_matrix(packed: torch.Tensor, weight: torch.Tensor) -> bool:
+    try:
+        return packed.data_ptr() == weight.data_ptr()
+    except RuntimeError:  # an opaque oneDNN copy has no storage
+        return False
+
+
+def test_a_tied_head_runs_on_the_embeddings_matrix_and_equals_f_linear():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed, model.head = torch.nn.Embedding(300, 64), torch.nn.Linear(64, 300, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    model.other = torch.nn.Linear(64, 300, bias=False)  # same shape, its own weight: packed
+    packed = PackedLinears(model, batch_hint=32)
+    (head, _), (other, _), *_ = packed.weights()
+    assert same_matrix(head, model.embed.weight)  # no copy
+    assert not same_matrix(other, model.other.weight)
+    for rows in (1, 7, 200):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode(), packed():
+            got = model.head(x)
+        expected = F.linear(x.double(), model.embed.weight.double())
+        assert_close_ulps(got.double(), expected, ulps=64, dtype=torch.float32)  # a 64-term fp32 dot product
+
+
 def test_a_released_model_frees_its_weights_and_generates_the_same(tiny):
     model, tok = tiny
     with_adapters(model)
     expected = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="onednn").generate(requests(tok, False))
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
     before = sum(p.numel() for p in model.parameters())
     engine = Engine(model, tok, max_batch=4, kernels="onednn", owns_model=True)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     kept = [m for m in linears if m.weight.numel()]
-    assert kept == ([model.get_output_embeddings()] if tied else [])  # a tied head stays
+    assert kept == ([head] if tied else [])  # a tied head stays
+    # ... and runs on the embeddings' own matrix: no packed copy of it
+    assert same_matrix(engine.packed.weights()[-1][0], head.weight) == tied
     assert sum(p.numel() for p in model.parameters()) < before
     got = engine.generate(requests(tok, False))
     assert [t.completion_ids for t in got] == [t.completion_ids for t in expected]
@@ -151,15 +179,46 @@ def test_kernel_choice_and_refusals():
     assert resolve_kernels("auto", torch.device("cuda"), torch.float32) == "torch"
 
 
-def test_kv_cache_is_sized_to_the_request_and_grows_by_a_quarter(tiny):
+def up8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def test_kv_cache_is_sized_to_the_longest_request_and_never_held_twice(tiny, monkeypatch):
+    """Sized to the longest request joining (8-position multiples, not a power of two); a longer call with
+    nothing running frees the old cache before it allocates; growth under a running row grows by a quarter
+    and frees each of the old cache's layers as it copies them."""
     model, tok = tiny
-    engine = Engine(model, tok, max_batch=2)
+    engine = Engine(model, tok, max_batch=4)
     ids = tok.encode("Hello", add_special_tokens=False)
-    engine.generate([GenerationRequest(ids, SamplingParams(greedy=True, max_new_tokens=300))])
+    longer = tok.encode("Hello there, how are you", add_special_tokens=False)
+
+    def req(prompt, n, seed=0):
+        return GenerationRequest(prompt, SamplingParams(greedy=True, max_new_tokens=n, seed=seed))
+
+    engine.generate([req(ids, 300), req(longer, 300)])  # the longer prompt is not first: sized for both
     first = engine.cache.capacity
-    assert first == -(-(len(ids) + 300) // 64) * 64  # not the next power of two
-    engine.generate([GenerationRequest(ids, SamplingParams(greedy=True, max_new_tokens=first))])
-    assert engine.cache.capacity == -(-max(len(ids) + first, first + first // 4) // 64) * 64
+    assert first == up8(len(longer) + 300)
+
+    held = []
+    real_init = KVCache.__init__
+
+    def spy(self, *args, **kwargs):
+        held.append(engine.cache)  # what the engine still holds while the next cache is allocated
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCache, "__init__", spy)
+    engine.generate([req(ids, first)])
+    assert held == [None] and engine.cache.capacity == up8(len(ids) + first)
+
+    engine = Engine(model, tok, max_batch=4)
+    engine.submit(req(ids, 40))
+    engine.step()
+    old = engine.cache
+    assert old.capacity == up8(len(ids) + 40)
+    engine.submit(req(ids, 100, seed=1))
+    engine.step()  # admitted while the first row runs: the cache grows and that row's keys move over
+    assert engine.cache.capacity == up8(max(len(ids) + 100, old.capacity + old.capacity // 4))
+    assert all(t.numel() == 0 for t in (*old.k, *old.v))  # every old layer freed
 
 
 def test_kv_cache_holds_slots_for_the_requests_there_are(tiny):
@@ -209,7 +268,7 @@ def test_kv_cache_memory_is_never_read_before_it_is_zeroed_or_written(tiny, monk
     monkeypatch.setattr(KVCache, "__init__", poisoned)
     engine = Engine(model, tok, max_batch=2)
     turns = engine.generate(reqs)
-    assert engine.cache.capacity > -(-(len(reqs[1].prompt_ids) + 40) // 64) * 64  # it grew
+    assert engine.cache.capacity > len(reqs[1].prompt_ids) + 40  # it grew
     for req, got, want in zip(reqs, turns, solo, strict=True):
         assert_same_or_near_tie(model, req, want, got)  # greedy: the same tokens, log-probs within 1e-4
 
