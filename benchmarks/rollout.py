@@ -103,6 +103,10 @@ def child(
     import rolerl
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    # before the model: measured after the generations, its three 2048^2 matrices sat on top of whatever a
+    # side still held (the engine keeps its KV cache for the next call; HF frees its own) and counted in
+    # that side's peak RSS
+    peak = matmul_peak(getattr(torch, dtype))
     model, tok = rolerl.load_model("default", dtype=dtype)
     ids = prompts(tok, batch)
     flops = decode_flops(model, batch, sum(map(len, ids)) / batch, new)  # before any adapter or packing
@@ -166,7 +170,6 @@ def child(
     rates = [c / t for c, t in zip(counts, times, strict=True)]
     med = statistics.median(times)
     flops *= statistics.median(counts) / (batch * new)  # rows that stopped at EOS did less work
-    peak = matmul_peak(model.dtype)
     return {
         "side": side,
         "row": row,
