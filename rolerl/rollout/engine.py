@@ -272,7 +272,7 @@ class Engine:
             slots = old.slots
         else:
             wanted = len(self.active) + len(self.waiting)
-            slots = min(self.max_batch, max(wanted, rows, 2 * old.slots if carry else 1))
+            slots = min(self.max_batch, max(wanted, 2 * old.slots if carry else 1))
         self.cache = KVCache(self.model.config, slots, capacity, self.dtype, self.device)
         if carry:
             self.cache.take_rows(old, len(self.active))

@@ -78,6 +78,7 @@ class PackedLinears:
         self.released = False
         self.merged: str | None = None  # the adapter whose weights the packed weights hold (`merge_adapter`)
         self._routed: dict[int, RoutedLoRALinear] = {}  # id(base linear) -> the routed layer wrapping it
+        self._shared: set[int] | None = None  # `_shared_ptrs()`, kept while packing
 
     @classmethod
     def of(
@@ -110,6 +111,7 @@ class PackedLinears:
         self.linears, self.groups = linears, new
         self._packed = {k: v for k, v in self._packed.items() if k in {tuple(map(id, g)) for g in new}}
         self.merged = None  # the adapters may have changed with the layers
+        self._shared = None
 
     def merge_adapter(self, name: str | None) -> None:
         """Pack adapter `name` into the base weights of the layers that carry it (`W + scaling * B @ A`, in
@@ -152,17 +154,13 @@ class PackedLinears:
         if not self.released:
             self._packed.clear()
             self.merged = None  # the next rollout chooses again, at no extra cost
+            self._shared = None
 
     def release(self) -> int:
         """Pack every layer, install the packed forwards for good and free the plain weights (a weight
         shared with another module, e.g. an LM head tied to the embeddings, is kept). The model then runs
         only without autograd and its linear weights are frozen. Returns the bytes freed."""
-        shared = {
-            p.data_ptr()
-            for m in self.model.modules()
-            if type(m) is not nn.Linear
-            for p in m.parameters(False)
-        }
+        shared = self._shared_ptrs()
         uses = Counter(m.weight.data_ptr() for m in self.linears)
         maps = _file_mappings()
         freed = 0
@@ -186,13 +184,18 @@ class PackedLinears:
         Measured in fp32 only: other dtypes keep the packed copy."""
         if m.weight.dtype != torch.float32:
             return False
-        ptr = m.weight.data_ptr()
-        return any(
-            p.data_ptr() == ptr
-            for module in self.model.modules()
-            if type(module) is not nn.Linear
-            for p in module.parameters(False)
-        )
+        if self._shared is None:  # once per packing round (`drop` and `regroup` forget it)
+            self._shared = self._shared_ptrs()
+        return m.weight.data_ptr() in self._shared
+
+    def _shared_ptrs(self) -> set[int]:
+        """Where the parameters of the model's modules other than its linears live."""
+        return {
+            p.data_ptr()
+            for m in self.model.modules()
+            if type(m) is not nn.Linear
+            for p in m.parameters(False)
+        }
 
     def _install(self, *groups: tuple[nn.Linear, ...]) -> None:
         """Each linear's forward on its group's packed weight (a member of a larger group keeps its own
