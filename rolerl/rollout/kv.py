@@ -53,10 +53,14 @@ class KVCache:
         Zeroes in blocks of 64 columns, so that decode steps rarely pay for it."""
         if columns <= self.zeroed:
             return
-        end = min(max(columns, self.zeroed + 64), self.capacity)
+        end = self._reach_end(columns)
         for cache in (*self.k, *self.v):
             cache[:, :, self.zeroed : end].zero_()
         self.zeroed = end
+
+    def _reach_end(self, columns: int) -> int:
+        """Where zeroing for `columns` stops: at least 64 columns past what is zeroed, at most the capacity."""
+        return min(max(columns, self.zeroed + 64), self.capacity)
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +71,7 @@ class KVCache:
         once copied: the growth's peak is the larger cache plus one layer, not both caches. `old` is
         unusable afterwards. Columns `[0, old.zeroed)` are copied whole (beyond a row's length they hold
         zeros or stale keys, finite either way); this cache is zeroed as `reach(old.zeroed)` would."""
-        end = min(max(old.zeroed, self.zeroed + 64), self.capacity)
+        end = self._reach_end(old.zeroed)
         for mine, theirs in ((self.k, old.k), (self.v, old.v)):
             for layer, dst in enumerate(mine):
                 dst[:, :, self.zeroed : end].zero_()

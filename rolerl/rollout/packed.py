@@ -160,7 +160,7 @@ class PackedLinears:
         """Pack every layer, install the packed forwards for good and free the plain weights (a weight
         shared with another module, e.g. an LM head tied to the embeddings, is kept). The model then runs
         only without autograd and its linear weights are frozen. Returns the bytes freed."""
-        shared = self._shared_ptrs()
+        shared = self._shared = self._shared_ptrs()  # `_tied` reads it while the groups are packed
         uses = Counter(m.weight.data_ptr() for m in self.linears)
         maps = _file_mappings()
         freed = 0
