@@ -44,6 +44,10 @@ Settings, side by side:
                checkpoint; asserted after training), no vLLM, no liger, no logging or saving inside the timed
                steps (logging_strategy=no, report_to=none, save_strategy=no), optim=adamw_torch (rolerl's
                torch.optim.AdamW; TRL's default would be the fused one).
+  heap         `--heap keep` (default): both children keep the memory they free (`rolerl.heap.keep_freed_memory`,
+               glibc: no trimming; rolerl's training does it with train.heap=keep), so neither re-faults its
+               pages every micro-batch; `--heap default`: glibc's defaults on both sides (rolerl
+               train.heap=trim).
   timing       each side in its own subprocess with the same environment (OMP/MKL threads, the same
                torch.set_num_threads, TOKENIZERS_PARALLELISM=false); sides alternate; `--warmup` steps are
                dropped, then the median of all timed steps of all rounds. TRL: a TrainerCallback from
@@ -125,9 +129,12 @@ def trl_child(args: argparse.Namespace, beta: float) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rolerl.heap import keep_freed_memory
     from rolerl.tasks.arithmetic import ArithmeticTask
 
     torch.set_num_threads(args.threads)
+    if args.heap == "keep":
+        keep_freed_memory()  # the allocator setting rolerl trains with, on this side too
     total = args.warmup + args.steps
     task = ArithmeticTask()
     rows = [
@@ -260,6 +267,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
         RunConfig,
         TrainConfig,
     )
+    from rolerl.heap import keep_freed_memory
     from rolerl.rollout.lockstep import LockstepBackend
     from rolerl.tasks.arithmetic import ArithmeticTask
     from rolerl.train.policy import build_policy
@@ -300,12 +308,15 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
                 mini_batches=1,
                 ppo_epochs=1,
                 bf16=args.mode != "fp32",  # explicit: "auto" would autocast on a CPU with native bf16
+                heap="keep" if args.heap == "keep" else "trim",
             ),
             run=RunConfig(dir=out, seed=SEED, tensorboard=False, progress=False),
         )
         task, log = ArithmeticTask(), []
         workflow = FixedLengthSingleTurn(task, log)
         policy = build_policy(cfg, workflow.roles)
+        if cfg.train.heap == "keep":
+            keep_freed_memory()  # as `rolerl.train.rl.train` does
         after_load = rss_mb()
         params = policy.trainable()
         optimizer = policy.optimizer(cfg.optim)  # AdamW, lr LR, betas (0.9, 0.999), weight decay 0.01
@@ -362,7 +373,7 @@ def run_side(side: str, beta: float, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--betas", repr(beta), "--model", args.model]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
     cmd += ["--max-new-tokens", str(args.max_new_tokens), "--micro-batch", str(args.micro_batch)]
-    cmd += ["--mode", args.mode]
+    cmd += ["--mode", args.mode, "--heap", args.heap]
     threads = str(args.threads)
     env = os.environ | {
         "OMP_NUM_THREADS": threads,
@@ -408,6 +419,13 @@ def main() -> None:
         help="fp32: no autocast on either side; bf16: TRL bf16=True, rolerl train.bf16 (autocast); "
         "fastest: TRL bf16=True vs rolerl bf16 rollout copy + bf16 autocast + recomputed old log-probs + TIS",
     )
+    p.add_argument(
+        "--heap",
+        default="keep",
+        choices=["keep", "default"],
+        help="keep: both sides keep freed memory for reuse (rolerl.heap; rolerl's train.heap=keep); "
+        "default: glibc's defaults on both sides",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--side", choices=["trl", "rolerl"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -426,6 +444,7 @@ def main() -> None:
         "model": args.model,
         "dtype": "float32",
         "mode": args.mode,
+        "heap": args.heap,
         "group_size": GROUP,
         "prompts_per_step": PROMPTS,
         "max_new_tokens": args.max_new_tokens,

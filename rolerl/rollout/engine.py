@@ -27,10 +27,11 @@ from contextlib import nullcontext
 
 import torch
 
+from rolerl.heap import trim_heap
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
-from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout, trim_heap
+from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout
 from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import sample

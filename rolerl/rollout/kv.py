@@ -13,13 +13,13 @@ tool splicing (gathered).
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
+from rolerl.heap import trim_heap
 from rolerl.models.attention import attention_implementation
 
 ATTN_NAME = "rolerl_engine"
@@ -84,29 +84,6 @@ class KVCache:
         """Copy slot `src`'s first `length` positions to slot `dst` (compaction after a row finishes)."""
         for cache in (*self.k, *self.v):
             cache[dst, :, :length] = cache[src, :, :length]
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; nothing elsewhere). A freed
-    cache layer of a few MB is often a hole in the heap, below blocks still in use, which glibc keeps
-    mapped: after a rollout that outgrew a shorter one's cache, the old cache stayed resident (+127 MB at
-    batch 32 x 512 tokens on the default model) until something reused it."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
 
 
 @dataclass

@@ -28,6 +28,7 @@ from rolerl.config import Config, ConfigError, load_config
 from rolerl.diagnostics.grad_conflict import role_gradients
 from rolerl.eval.harness import held_out
 from rolerl.hardware import bf16_choice, resolve_precision
+from rolerl.heap import keep_freed_memory
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.rollout.engine import Engine, rollout_copy
@@ -116,6 +117,8 @@ def _train(
     )
     policy = policy if policy is not None else build_policy(cfg, workflow.roles)
     check_roles(cfg, list(policy.route_of))
+    if cfg.train.heap == "keep":
+        keep_freed_memory()  # every update reuses the pages of the one before (rolerl.heap)
     given = cfg  # written as the user gave it: a resume resolves its `auto`s again on its own machine
     cfg, why = resolve_old_logp(cfg, policy)
     if given.algorithm.old_logp == "auto":

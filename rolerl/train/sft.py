@@ -26,6 +26,7 @@ import torch
 
 from rolerl.algorithms import AggNorm, aggregate
 from rolerl.config import Config
+from rolerl.heap import keep_freed_memory
 from rolerl.models.adapters_io import save_adapter
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
@@ -236,6 +237,8 @@ def sft(
     parts = _parts(policy, turns, roles, loss_kinds)
     steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
     optimizer = policy.optimizer(cfg.optim, lr=cfg.sft.lr)
+    if cfg.train.heap == "keep":
+        keep_freed_memory()  # every step reuses the pages of the one before (rolerl.heap)
     run = RunDir(
         cfg.run.dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_entity=cfg.run.wandb_entity
     )

@@ -247,3 +247,18 @@ def test_the_threaded_backend_sleeps_in_its_engine_thread(tmp_path, monkeypatch)
     cfg = tiny_config(tmp_path, "train.steps=2", "rollout.max_new_tokens=8", "rollout.backend=threaded")
     train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()))  # closing the backend drains its inbox
     assert threads == ["rolerl-engine"] * 2
+
+
+def test_train_heap_decides_whether_the_process_keeps_its_freed_memory(tmp_path, monkeypatch):
+    """`train.heap: keep` (the default) turns on `rolerl.heap.keep_freed_memory` once per run; `trim` leaves
+    glibc's defaults (the setting is process-wide: recorded here, not applied to the test process)."""
+    import rolerl.train.rl as rl
+
+    calls = []
+    monkeypatch.setattr(rl, "keep_freed_memory", lambda: calls.append(1) or True)
+    for heap, want in (("trim", 0), ("keep", 1)):
+        calls.clear()
+        train(tiny_config(tmp_path / heap, "train.steps=1", f"train.heap={heap}"), task=EchoTask(),
+              workflow=SingleTurn(EchoTask()))  # fmt: skip
+        assert len(calls) == want, heap
+    assert load_config(None, []).train.heap == "keep"
