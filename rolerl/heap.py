@@ -35,7 +35,7 @@ def keep_freed_memory() -> bool:
     the rest of the process; `trim_heap` becomes a no-op. True where it took effect."""
     global _keeping
     libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt"):
+    if libc is None:
         return False
     _keeping = all(
         libc.mallopt(param, value)
@@ -60,7 +60,7 @@ def trim_heap() -> None:
     outgrew a shorter one's cache, the old cache stayed resident (+127 MB at batch 32 x 512 tokens on the
     default model) until something reused it."""
     libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim") and not _keeping:
+    if libc is not None and not _keeping:
         libc.malloc_trim(0)
 
 
@@ -71,7 +71,7 @@ def _libc():
         libc = ctypes.CDLL(name) if name else None
     except OSError:
         return None
-    if libc is None or not hasattr(libc, "malloc_trim"):
+    if libc is None or not hasattr(libc, "malloc_trim") or not hasattr(libc, "mallopt"):
         return None  # not glibc: mallopt's parameters differ, and there is nothing to trim
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return libc
