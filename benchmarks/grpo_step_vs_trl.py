@@ -9,7 +9,7 @@ decay 0.01, betas 0.9/0.999, torch's own implementation), gradient clipping at 1
 Settings, side by side:
   model        `--model` ("default" = SmolLM2-135M-Instruct via `rolerl.load_model`, or "tiny:llama" for a
                smoke run); both sides load it the same way (`rolerl.load_model` / `rolerl.tiny_model`) and
-               TRL gets the model object. float32 weights on both sides.
+               TRL gets the model object. float32 weights on both sides, except in `--mode bf16-base`.
   precision    `--mode fp32`: no autocast on either side (TRL bf16=False, fp16=False; rolerl train.bf16=false,
                set explicitly: its default "auto" autocasts where bf16 is native). `--mode bf16`: TRL
                bf16=True (its mixed precision) and rolerl train.bf16=true (bf16 autocast of the training
@@ -17,6 +17,10 @@ Settings, side by side:
                supported CPU mode without vLLM) against rolerl's fastest honest mode: the engine samples
                from a bf16 copy (rollout.dtype=bfloat16), bf16 autocast in training, old log-probs recomputed
                by the trainer (an extra forward) and truncated importance sampling (tis_cap 2).
+               `--mode bf16-base`: the frozen base weights in bf16 on both sides (loaded so; the LoRA
+               weights stay fp32: PEFT's autocast_adapter_dtype, rolerl's adapters), bf16=True / bf16
+               autocast; TRL generates with that model, rolerl's engine samples from it (rollout.dtype=model)
+               with old log-probs recomputed and TIS, as in `fastest`.
   LoRA         r=16, alpha=32, dropout 0, all linear layers of the decoder (lm_head excluded on both).
                rolerl: adapters.rank=16, target_modules=all-linear, preset shared. TRL: peft LoraConfig.
   prompts      rolerl's `ArithmeticTask` chat prompts (system + user, chat template with the generation
@@ -106,14 +110,19 @@ def digest(questions: list[str]) -> str:
     return hashlib.sha1("\n".join(sorted(questions)).encode()).hexdigest()[:12]
 
 
-def load(model_spec: str):
+def base_dtype(mode: str) -> str:
+    """The frozen base weights' dtype on both sides: bfloat16 in `bf16-base` mode, else float32."""
+    return "bfloat16" if mode == "bf16-base" else "float32"
+
+
+def load(model_spec: str, dtype: str = "float32"):
     import torch
 
     import rolerl
 
     if model_spec.startswith("tiny:"):
-        return rolerl.tiny_model(model_spec.split(":", 1)[1], seed=SEED, dtype=torch.float32)
-    return rolerl.load_model(model_spec, dtype="float32", device="cpu")
+        return rolerl.tiny_model(model_spec.split(":", 1)[1], seed=SEED, dtype=getattr(torch, dtype))
+    return rolerl.load_model(model_spec, dtype=dtype, device="cpu")
 
 
 def rss_mb() -> float:
@@ -142,7 +151,7 @@ def trl_child(args: argparse.Namespace, beta: float) -> dict:
         for step in range(1, total + 1)
         for ex in step_examples(task, step)
     ]
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, base_dtype(args.mode))
     after_load = rss_mb()
     seen: dict = {}  # what the current step's reward function saw
 
@@ -231,6 +240,7 @@ def trl_child(args: argparse.Namespace, beta: float) -> dict:
         trainer._generate_and_score_completions = counted
         after_init = rss_mb()
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float32}
         trainer.train()
         base = trainer.model.get_base_model()
         assert not base.is_activation_checkpointing and trainer.args.bf16 is (args.mode != "fp32"), (
@@ -277,7 +287,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
     total = args.warmup + args.steps
     with tempfile.TemporaryDirectory() as out:
         cfg = Config(
-            model=ModelConfig(spec=args.model, dtype="float32", device="cpu"),
+            model=ModelConfig(spec=args.model, dtype=base_dtype(args.mode), device="cpu"),
             adapters=AdaptersConfig(preset="shared", rank=16, alpha=32, target_modules="all-linear"),
             rollout=RolloutConfig(
                 n=GROUP,
@@ -294,9 +304,10 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
                 clip_high=0.28,
                 kl="k3",
                 beta=beta,
-                # a bf16 rollout copy samples another distribution: the trainer recomputes old log-probs
-                old_logp="recompute" if args.mode == "fastest" else "rollout",
-                tis_cap=2.0 if args.mode == "fastest" else None,
+                # a bf16 rollout (a copy, or the bf16 base itself: the engine's kernels round otherwise than
+                # the trainer's autocast) samples another distribution: the trainer recomputes old log-probs
+                old_logp="recompute" if args.mode in ("fastest", "bf16-base") else "rollout",
+                tis_cap=2.0 if args.mode in ("fastest", "bf16-base") else None,
             ),
             optim=OptimConfig(
                 lr=LR, schedule="constant", grad_clip=1.0, weight_decay=0.01, betas=[0.9, 0.999]
@@ -319,6 +330,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
             keep_freed_memory()  # as `rolerl.train.rl.train` does
         after_load = rss_mb()
         params = policy.trainable()
+        assert {p.dtype for p in params} == {torch.float32}
         optimizer = policy.optimizer(cfg.optim)  # AdamW, lr LR, betas (0.9, 0.999), weight decay 0.01
         # rolerl's engines as training builds them (rollout.dtype, rollout.kernels)
         backend = LockstepBackend(build_engines(cfg, policy, None, {}, cfg.rollout.max_batch))
@@ -415,9 +427,11 @@ def main() -> None:
     p.add_argument(
         "--mode",
         default="fp32",
-        choices=["fp32", "bf16", "fastest"],
+        choices=["fp32", "bf16", "fastest", "bf16-base"],
         help="fp32: no autocast on either side; bf16: TRL bf16=True, rolerl train.bf16 (autocast); "
-        "fastest: TRL bf16=True vs rolerl bf16 rollout copy + bf16 autocast + recomputed old log-probs + TIS",
+        "fastest: TRL bf16=True vs rolerl bf16 rollout copy + bf16 autocast + recomputed old log-probs + TIS; "
+        "bf16-base: both sides' frozen base weights in bf16 (adapters fp32) + bf16 autocast, rolerl "
+        "sampling from that model with recomputed old log-probs + TIS",
     )
     p.add_argument(
         "--heap",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 
 @contextmanager
 def attention_implementation(model, name: str) -> Iterator[None]:
@@ -67,3 +69,37 @@ def register_grouped_sdpa() -> None:
 
     AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
     AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks transformers builds for SDPA
+
+
+LEAN_EAGER = "rolerl_lean_eager"
+
+
+def lean_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' eager attention (Llama's `eager_attention_forward`) recomputed in backward
+    (non-reentrant activation checkpointing of the attention alone): autograd keeps its inputs (the query,
+    the K/V heads as they are, the mask) instead of what eager's ops keep, the probabilities twice (`(B, H,
+    T, S)` in fp32 and in the compute dtype) and K/V repeated per query head. Under bf16 autocast that was
+    about a third of what a training micro-batch kept (8 rows x ~240 positions on the default model), and
+    it grows with the square of the length. The recomputation runs the same ops under the same autocast state, so
+    values and gradients are eager's, bit for bit; the cost is eager's attention forward once more per
+    layer in backward. For Llama-family models (their eager attention is Llama's and reads no other
+    keyword argument); without grad, with dropout in training or `output_attentions`, plain eager."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    args = (module, query, key, value, attention_mask, scaling, dropout)
+    dropping = dropout > 0 and module.training
+    if dropping or not torch.is_grad_enabled() or kwargs.get("output_attentions"):
+        return eager_attention_forward(*args, **kwargs)
+    out, _ = checkpoint(eager_attention_forward, *args, use_reentrant=False, preserve_rng_state=False)
+    return out, None
+
+
+def register_lean_eager() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+
+    AttentionInterface.register(LEAN_EAGER, lean_eager)
+    AttentionMaskInterface.register(
+        LEAN_EAGER, eager_mask
+    )  # the additive masks transformers builds for eager

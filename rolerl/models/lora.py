@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class RouteState:
         self._uniform = False
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
         self.saved: list[tuple | None] = []  # snapshots taken by the forward hooks, restored after the call
+        self._cast: tuple | None = None  # (weakref to an input, its version, weakref to its autocast copy)
 
     @property
     def names(self) -> list[str]:
@@ -81,6 +83,20 @@ class RouteState:
 
     def snapshot(self) -> tuple:
         return self.route, self._used, self._uniform, self._masks
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x.to(dtype)` for a training forward under autocast, made once per input: q/k/v (gate/up) read
+        the same input, and the copy made for the first serves the others, so autograd keeps one copy
+        instead of one per layer (autocast casts per op). Held by weak references only: the copy lives as
+        long as the layers that saved it for backward."""
+        if self._cast is not None:
+            source, version, copy = self._cast
+            out = copy()
+            if source() is x and version == x._version and out is not None and out.dtype == dtype:
+                return out
+        out = x.to(dtype)
+        self._cast = (weakref.ref(x), x._version, weakref.ref(out))
+        return out
 
     def restore(self, snapshot: tuple) -> None:
         self.route, self._used, self._uniform, self._masks = snapshot
@@ -201,7 +217,7 @@ class RoutedLoRALinear(nn.Module):
         self.__dict__.pop("_stack_cache", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+        if torch.is_grad_enabled():
             fused = self._fused_train(x)
             if fused is not None:
                 return fused
@@ -209,19 +225,28 @@ class RoutedLoRALinear(nn.Module):
 
     def _fused_train(self, x: torch.Tensor) -> torch.Tensor | None:
         """Training's forward as one autograd node (`_LoRALinear`), or None where it does not apply (dropout,
-        the gather implementation, no adapter used, a dtype other than the weights')."""
+        the gather implementation, no adapter used, a dtype other than the weights' or autocast's). Under
+        autocast the node computes in autocast's dtype, as autocast would, with one copy of the input per
+        fused input (`RouteState.cast`) and none of the weight kept for backward."""
         plan = self.state.plan(self._carried)
         if plan is None or self.impl != "masked":
             return None
         used, specs, uniform = plan
         w, bias = self.base_layer.weight, self.base_layer.bias
-        if x.dtype != w.dtype or any(s.dropout > 0 for s in specs) or w.requires_grad:
+        if any(s.dropout > 0 for s in specs) or w.requires_grad:
             return None  # (a base unfrozen by hand keeps autograd's path: this node gives W no gradient)
         if bias is not None and bias.requires_grad:
             return None
+        dtype = w.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            if x.dtype != dtype and x.dtype == torch.float32 and w.dtype in (torch.float32, dtype):
+                x = self.state.cast(x, dtype)
+        if x.dtype != dtype or w.dtype not in (torch.float32, dtype):
+            return None
         if isinstance(self.state.route, torch.Tensor) and self.state.route.shape != x.shape[:-1]:
             return None  # _add_adapters raises the error that names the shapes
-        a, b = self._stacked(tuple(s.name for s in specs), x.dtype)  # (R, in), (out, R): differentiable
+        a, b = self._stacked(tuple(s.name for s in specs), dtype)  # (R, in), (out, R): differentiable
         if uniform:
             mask = torch.full((1, a.shape[0]), specs[0].scaling, dtype=x.dtype, device=x.device)
         else:
@@ -319,29 +344,30 @@ class _LoRALinear(torch.autograd.Function):
     backward the adapter's input gradient into the base's (`addmm_`), instead of an add of two `(N, out)`
     (`(N, in)`) tensors each. `mask` is `(N, R)` per token (routes mixing adapters, scalings included) or
     `(1, R)` (one adapter for every token: its scaling). Saved for backward: `x` (alive anyway) and the
-    `(N, R)` rank activations."""
+    `(N, R)` rank activations. A weight in another dtype than `x` (fp32 under bf16 autocast) is cast for
+    each GEMM and not kept: backward casts it again."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, mask):
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         h = (x2 @ a.T).mul_(mask)  # (N, R) rank activations, scaled and routed
-        y = F.linear(x2, weight, bias)  # (N, out)
+        y = F.linear(x2, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # (N, out)
         y.addmm_(h, b.T)
-        ctx.save_for_backward(x2, weight, a, b, mask, h)
-        ctx.in_shape = x.shape
+        ctx.save_for_backward(x, weight, a, b, mask, h)  # x itself, not a view: `RouteState.cast` tracks it
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x2, weight, a, b, mask, h = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        x, weight, a, b, mask, h = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        g = grad.reshape(-1, grad.shape[-1]).to(x.dtype)  # (N, out)
         gb = g.T @ h if ctx.needs_input_grad[4] else None  # (out, R)
         gh = (g @ b).mul_(mask)  # (N, R)
         ga = gh.T @ x2 if ctx.needs_input_grad[3] else None  # (R, in)
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = (g @ weight).addmm_(gh, a).view(ctx.in_shape)  # (N, in)
+            gx = (g @ weight.to(x.dtype)).addmm_(gh, a).view(x.shape)  # (N, in)
         return gx, None, None, ga, gb, None
 
 

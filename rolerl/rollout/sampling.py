@@ -73,68 +73,66 @@ def sample(
     seeds: torch.Tensor,  # (B,) long
     counters: torch.Tensor,  # (B,) long
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return `(tokens (B,), logprobs (B,))`; each row is computed from its own logits and uniform only."""
-    logits = logits.float()
+    """Return `(tokens (B,), logprobs (B,))`; each row is computed from its own logits and uniform only.
+
+    Few passes over the `(B, V)` logits, each one a read of 6 MB at batch 32 x 49k vocabulary (a decode
+    step's sampling is bound by them): the row max, `exp(z - max)` into one new fp32 tensor, and its
+    per-block sums, from which come the log-sum-exp and the draw (the CDF needs no normalising). bf16
+    logits are read as they are: the max is exact in bf16 and `z - max` promotes to fp32."""
     scales = [p.scale for p in params]
     z = (
         logits
         if all(t == 1.0 for t in scales)
-        else logits / torch.tensor(scales, device=logits.device)[:, None]
+        else logits.float() / torch.tensor(scales, device=logits.device)[:, None]
     )
-    lse = torch.logsumexp(z, dim=-1)  # (B,): logp = z - lse, the untruncated log_softmax
-    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    b, vocab = z.shape
+    nb = -(-vocab // _BLOCK)
+    top = z.amax(-1, keepdim=True).float()  # (B, 1)
+    e = torch.sub(z, top).exp_()  # (B, V) fp32, the largest term of each row is 1
+    if nb * _BLOCK != vocab:
+        e = F.pad(e, (0, nb * _BLOCK - vocab))  # zero mass: never drawn
+    sums = e.view(b, nb, _BLOCK).sum(-1)  # (B, nb)
+    lse = top.squeeze(1) + sums.sum(-1).log()  # (B,): logp = z - lse, the untruncated log_softmax
+    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         tokens[greedy] = logits[greedy].argmax(-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        u = counter_uniform(seeds[sampled], counters[sampled]).to(logits.device)
-        every = len(sampled) == len(params)
-        rows, row_lse = (z, lse) if every else (z[sampled], lse[sampled])  # no (B, V) copy in the usual case
-        tokens[sampled] = _inverse_cdf(rows, row_lse, [params[i] for i in sampled], u)
-    return tokens, z.gather(1, tokens[:, None]).squeeze(1) - lse
+        u = counter_uniform(seeds, counters).to(logits.device)  # (B,); greedy rows ignore theirs
+        plain = [i for i in sampled if params[i].top_k == 0 and params[i].top_p >= 1]
+        if plain:
+            rows = plain if len(plain) < b else slice(None)  # no (B, V) copy in the usual case
+            tokens[plain] = _blocked_inverse_cdf(e[rows], sums[rows], u[plain])
+        filtered = [i for i in sampled if not (params[i].top_k == 0 and params[i].top_p >= 1)]
+        if filtered:
+            logp = z[filtered].float() - lse[filtered, None]
+            tokens[filtered] = _filtered(logp, [params[i] for i in filtered], u[filtered])
+    return tokens, z.gather(1, tokens[:, None]).squeeze(1).float() - lse
 
 
-def _inverse_cdf(
-    z: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
-) -> torch.Tensor:
-    """Draw from `softmax(z)` restricted by each row's top-k / top-p, with one uniform per row.
-
-    Unfiltered rows walk the CDF in vocabulary order, filtered rows in descending-probability order. A
-    row's order depends on its own parameters only, never on its batch neighbours', so the same request
-    draws the same token alone or in any batch.
-    """
-    tokens = torch.empty(len(params), dtype=torch.long, device=z.device)
-    plain = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p >= 1]
-    if plain:
-        rows = z if len(plain) == len(params) else z[plain]
-        tokens[plain] = _blocked_inverse_cdf(torch.softmax(rows, dim=-1), u[plain])
-    filtered = [i for i, p in enumerate(params) if not (p.top_k == 0 and p.top_p >= 1)]
-    if filtered:
-        logp = z[filtered] - lse[filtered, None]
-        tokens[filtered] = _filtered(logp, [params[i] for i in filtered], u[filtered])
-    return tokens
+_BLOCK = 128
 
 
-def _blocked_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """Inverse CDF in vocabulary order without a full-vocabulary cumsum (which is sequential per row and
-    was ~5% of a decode step): cumulate block sums, find the block, then cumulate inside that block only.
-    Searches use right=True, so a zero-probability token (a flat CDF step) is never drawn."""
-    b, vocab = probs.shape
-    nb = -(-vocab // block)
-    if nb * block != vocab:
-        probs = F.pad(probs, (0, nb * block - vocab))
-    blocks = probs.view(b, nb, block)
-    sums = blocks.sum(-1)  # (b, nb)
+def _blocked_inverse_cdf(mass: torch.Tensor, sums: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw from each row of `mass` `(b, nb * block)` (unnormalised, non-negative; `sums` `(b, nb)` its
+    block sums) in vocabulary order, without a full-vocabulary cumsum (sequential per row, it was ~5% of a
+    decode step): cumulate the block sums, find the block, then cumulate inside that block only. Searches
+    use right=True, so a zero-mass token (a flat CDF step) is never drawn."""
+    b, nb = sums.shape
+    blocks = mass.view(b, nb, -1)
+    block = blocks.shape[-1]
     csum = sums.cumsum(-1)  # (b, nb)
     target = (u * csum[:, -1].double()).float()[:, None]  # (b, 1)
-    bi = torch.searchsorted(csum, target, right=True).squeeze(1).clamp_(max=nb - 1)  # (b,)
-    r = torch.arange(b, device=probs.device)
-    before = torch.where(bi > 0, csum[r, (bi - 1).clamp(min=0)], torch.zeros((), device=probs.device))
+    bi = torch.searchsorted(csum, target, right=True).squeeze(1)  # (b,)
+    # a target rounded up to the total lands past the end: the last block with mass instead
+    bi = torch.minimum(bi, nb - 1 - (sums > 0).flip(-1).int().argmax(-1))
+    r = torch.arange(b, device=mass.device)
+    before = torch.where(bi > 0, csum[r, (bi - 1).clamp(min=0)], torch.zeros((), device=mass.device))
     inner = blocks[r, bi]  # (b, block)
     j = torch.searchsorted(before[:, None] + inner.cumsum(-1), target, right=True).squeeze(1)
     last = block - 1 - (inner > 0).flip(-1).int().argmax(-1)  # the block's last token with mass (rounding)
-    return (bi * block + torch.minimum(j, last)).clamp_(max=vocab - 1)
+    return bi * block + torch.minimum(j, last)
 
 
 def _filtered(logp: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:

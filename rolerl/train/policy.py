@@ -22,7 +22,13 @@ from rolerl.algorithms import TokenLogprobs, chunked_logprobs
 from rolerl.config import Config, OptimConfig
 from rolerl.hardware import resolve_bf16, resolve_precision
 from rolerl.models.adapters_io import load_adapter
-from rolerl.models.attention import GROUPED_SDPA, attention_implementation, register_grouped_sdpa
+from rolerl.models.attention import (
+    GROUPED_SDPA,
+    LEAN_EAGER,
+    attention_implementation,
+    register_grouped_sdpa,
+    register_lean_eager,
+)
 from rolerl.models.load import load_model, resolve_dtype
 from rolerl.models.lora import adapter_specs, add_adapters
 from rolerl.models.tiny import tiny_from_spec
@@ -276,15 +282,20 @@ def _attention_for(model: nn.Module, ids: torch.Tensor):
     """The trainer's attention kernel on CPU. Under bf16 autocast, eager attention for short batches: SDPA's
     CPU flash kernel is slow in backward there (8 x 123 tokens on the default model, fwd+bwd, one thread:
     7.2 s with SDPA, 5.1-5.4 s eager; in fp32 the two are about equal, and eager's fp32 softmax would cost
-    fp64 its precision). Eager keeps `(B, H, T, T)` scores per layer for backward, so long batches keep SDPA.
-    SDPA on CPU runs as `grouped_sdpa`: grouped K/V heads are not repeated per query head (what autograd
-    keeps for backward shrinks by the K/V copies). GPUs and other implementations keep the model's own."""
+    fp64 its precision). Eager builds `(B, H, T, T)` scores per layer, so long batches keep SDPA; on
+    Llama-family models it runs as `lean_eager`, which recomputes them in backward instead of keeping them
+    (eager's autograd kept about a third of a micro-batch's activations in them). SDPA on CPU runs as
+    `grouped_sdpa`: grouped K/V heads are not repeated per query head (what autograd keeps for backward
+    shrinks by the K/V copies). GPUs and other implementations keep the model's own."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if ids.device.type != "cpu" or config._attn_implementation != "sdpa":
         yield
         return
     if torch.is_autocast_enabled("cpu") and ids.shape[1] <= EAGER_MAX_LEN:
-        with attention_implementation(model, "eager"):
+        lean = getattr(config, "model_type", None) in lean_ops.FAMILIES
+        if lean:
+            register_lean_eager()
+        with attention_implementation(model, LEAN_EAGER if lean else "eager"):
             yield
         return
     register_grouped_sdpa()

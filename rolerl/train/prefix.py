@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from transformers import AttentionInterface, DynamicCache
 
-from rolerl.models.attention import GROUPED_SDPA, attention_implementation
+from rolerl.models.attention import GROUPED_SDPA, LEAN_EAGER, attention_implementation
 from rolerl.models.lora import routes as lora_routes
 from rolerl.roles import KIND_INDEX
 from rolerl.roles import PROMPT as PROMPT_KIND
@@ -65,7 +65,7 @@ def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int
     prompts have in common; None when sharing saves nothing or the model's attention cannot take the
     explicit mask it needs."""
     config = model.config
-    if config._attn_implementation not in ("sdpa", "eager", GROUPED_SDPA):
+    if config._attn_implementation not in ("sdpa", "eager", GROUPED_SDPA, LEAN_EAGER):
         return None  # e.g. flash-attention-2 takes no 4D mask
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
         return None  # sliding-window layers would need their own mask

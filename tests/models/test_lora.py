@@ -397,3 +397,59 @@ def test_training_node_equals_autograd_composition_in_float64(route, x_grad):
     layer.base_layer.weight.requires_grad_(True)  # unfrozen by hand: the fused node would drop its gradient
     layer(x).sum().backward()
     assert layer.base_layer.weight.grad is not None
+
+
+def test_training_node_under_bf16_autocast_keeps_one_input_copy_and_no_weight_copy():
+    """Under CPU bf16 autocast the training node computes in bf16 as autocast's composition does (values and
+    gradients within bf16 rounding), while keeping for backward one bf16 copy of an input that three layers
+    read (q/k/v) and no bf16 copy of any weight; autocast's composition keeps a copy of the input per op
+    and a copy of each weight."""
+    g = torch.Generator().manual_seed(5)
+    state = RouteState({"r": AdapterSpec("r", 4, 8.0), "t": AdapterSpec("t", 2, 3.0)})
+    layers = [RoutedLoRALinear(torch.nn.Linear(48, 24, bias=False), state) for _ in range(3)]
+    for layer in layers:
+        for spec in state.adapters.values():
+            layer.add_adapter(spec)
+        with torch.no_grad():
+            for p in [*layer.lora_A.values(), *layer.lora_B.values()]:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    state.set(torch.randint(-1, 2, (2, 16), generator=g))
+    x0 = torch.randn(2, 16, 48, generator=g).requires_grad_()
+    probes = [torch.randn(2, 16, 24, generator=g) for _ in layers]
+
+    def run(fused: bool):
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        x0.grad, saved = None, []
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+        with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+            x = x0 * 1.0  # a non-leaf input, as a norm's output is
+            ys = [layer(x) if fused else layer._add_adapters(x, layer.base_layer(x)) for layer in layers]
+        sum((y.float() * p).sum() for y, p in zip(ys, probes, strict=True)).backward()
+        grads = {f"{i}.{n}": p.grad for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
+        return ys, {n: v for n, v in grads.items() if v is not None}, x0.grad, saved
+
+    ys_fused, g_fused, x_fused, saved_fused = run(True)
+    ys_plain, g_plain, x_plain, saved_plain = run(False)
+    assert {type(y.grad_fn).__name__ for y in ys_fused} == {"_LoRALinearBackward"}
+    for yf, yp in zip(ys_fused, ys_plain, strict=True):
+        assert yf.dtype == yp.dtype == torch.bfloat16
+        # the base GEMM rounds to bf16 on both sides; the adapter's output is added in the GEMM's fp32
+        # accumulator (fused) or after its own rounding (composition): a few bf16 ulps of the largest output
+        assert_close_ulps(yf.float(), yp.float(), 4, torch.bfloat16)
+    assert g_fused.keys() == g_plain.keys() and g_fused
+    for name in g_plain:  # bf16 products summed over 32 tokens: a few ulps of the largest gradient entry
+        assert g_fused[name].dtype == torch.float32
+        assert_close_ulps(g_fused[name], g_plain[name], 8, torch.bfloat16)
+    assert_close_ulps(x_fused, x_plain, 8, torch.bfloat16)
+
+    def copies(saved, like):  # bf16 tensors kept for backward of `like`'s size (views included)
+        return {
+            t.untyped_storage().data_ptr()
+            for t in saved
+            if t.dtype == torch.bfloat16 and t.numel() == like.numel()
+        }
+
+    weight = layers[0].base_layer.weight
+    assert len(copies(saved_fused, weight)) == 0 and len(copies(saved_plain, weight)) == 3
+    assert len(copies(saved_fused, x0)) == 1 and len(copies(saved_plain, x0)) >= 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rolerl.rollout.sampling import SamplingParams, counter_uniform, sample
+from rolerl.rollout.sampling import _BLOCK, SamplingParams, _blocked_inverse_cdf, counter_uniform, sample
 from tests.tolerance import assert_close_ulps
 
 
@@ -63,3 +63,33 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
     for i in range(6):
         alone, _ = sample(logits[i : i + 1], [params[i]], seeds[i : i + 1], counters[i : i + 1])
         assert alone.item() == batch[i].item()
+
+
+def test_bf16_logits_sample_what_their_fp32_values_sample():
+    """The sampler reads bf16 logits as they are (the row max is exact in bf16, `z - max` promotes to fp32):
+    the same tokens and the same log-probs, bit for bit, as the same values upcast first."""
+    torch.manual_seed(3)
+    logits = (torch.randn(12, 700) * 4).bfloat16()
+    params = [
+        SamplingParams(seed=i, temperature=[1.0, 0.7, 0.0][i % 3], top_k=[0, 0, 0, 50][i % 4])
+        for i in range(12)
+    ]
+    seeds, counters = torch.arange(12), torch.full((12,), 5)
+    tokens, logp = sample(logits, params, seeds, counters)
+    want_tokens, want_logp = sample(logits.float(), params, seeds, counters)
+    assert torch.equal(tokens, want_tokens)
+    assert torch.equal(logp, want_logp)
+    scale = torch.tensor([p.scale for p in params])[:, None]
+    want = torch.log_softmax(logits.float() / scale, -1).gather(1, tokens[:, None])[:, 0]
+    assert_close_ulps(logp, want, ulps=8)
+
+
+def test_a_target_rounded_up_to_the_total_draws_the_last_token_with_mass():
+    """u * total can round up to the total (u < 1 in float64, the product in fp32): the search then points
+    past the last block, which here holds no mass (a padded vocabulary whose last real tokens are -inf);
+    the draw is the last token that has mass, never a padding index or a zero-probability token."""
+    mass = torch.zeros(1, 3 * _BLOCK)
+    mass[0, : _BLOCK + 5] = torch.rand(_BLOCK + 5, generator=torch.Generator().manual_seed(0)) + 0.5
+    sums = mass.view(1, 3, _BLOCK).sum(-1)
+    token = _blocked_inverse_cdf(mass, sums, torch.tensor([1 - 2.0**-53], dtype=torch.float64))
+    assert token.item() == _BLOCK + 4
