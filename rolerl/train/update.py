@@ -144,12 +144,16 @@ class Aligned:
     """Per-token tensors `(B, T)` in TrainBatch alignment (column p is about token p + 1) that travel with
     the batch's rows through mini- and micro-batching."""
 
-    old_logp: Tensor  # PPO's old log-probs (the rollout's, or recomputed)
+    # PPO's old log-probs (the rollout's, or recomputed); None: the training forward's own, detached (an
+    # update of one optimizer step trains the very policy they would be recomputed from)
+    old_logp: Tensor | None
     is_weights: Tensor | None = None  # truncated IS weights, when TIS is on
+    tis_cap: float | None = None  # TIS from the training forward's own log-probs (`is_weights` is None)
 
     def rows(self, rows: Tensor | list[int], width: int) -> Aligned:
         w = None if self.is_weights is None else self.is_weights[rows, :width]
-        return Aligned(self.old_logp[rows, :width], w)
+        old = None if self.old_logp is None else self.old_logp[rows, :width]
+        return Aligned(old, w, self.tis_cap)
 
 
 def loss_terms(
@@ -166,15 +170,18 @@ def loss_terms(
         out = token_logprobs(model, mb, with_entropy=True, **s.logprob_args())
     logp, entropy = out.logp, out.entropy  # (b, T-1)
     adv = mb.advantages[:, :-1]  # (b, T-1)
+    is_weights = None if aligned.is_weights is None else aligned.is_weights[:, :-1]
+    if aligned.tis_cap is not None:
+        is_weights = tis_weights(logp.detach(), mb.old_logp[:, :-1], cap=aligned.tis_cap)
     pg = ppo_clip_loss(
         logp,
-        aligned.old_logp[:, :-1],
+        logp.detach() if aligned.old_logp is None else aligned.old_logp[:, :-1],
         adv,
         mask,
         clip_low=alg.clip_low,
         clip_high=alg.clip_high,
         clip_c=alg.clip_c,
-        is_weights=None if aligned.is_weights is None else aligned.is_weights[:, :-1],
+        is_weights=is_weights,
     )
     per_token = pg.per_token  # (b, T-1)
     metrics = pg.stats.metrics()
@@ -392,7 +399,11 @@ def ppo_update(
     counted over all its rows. `old_logp: recompute` (or TIS) runs one no-grad forward first, so the
     mismatch to the rollout's log-probs is measured on every row before any update; otherwise the first
     mini-batch's forward (a random share of the rows, before the first optimizer step) is that measurement,
-    at no extra cost. `progress(done, total)` is called after each micro-batch forward.
+    at no extra cost. An update of one optimizer step (one epoch of one mini-batch, or `merged` steps) needs
+    no recomputing forward: the policy the old log-probs would come from is the one its forwards run, so
+    they are those forwards' own (detached; the PPO ratio is 1, as TRL does with one iteration) and TIS
+    weighs by them, and that forward over every row measures the mismatch. `progress(done, total)` is called
+    after each micro-batch forward.
     """
     alg = s.algorithm
     offsets = [0]
@@ -400,7 +411,8 @@ def ppo_update(
         offsets.append(offsets[-1] + part.batch.input_ids.shape[0])
     roles = [r for part in parts for r in part.batch.roles]
     plan = [schedule.mini_batches_of(torch.arange(offsets[-1]), roles)]  # epoch 0 shape, for the count
-    recompute = alg.old_logp == "recompute" or alg.tis_cap is not None
+    one_step = schedule.ppo_epochs == 1 and (schedule.merged or len(plan[0]) == 1)
+    recompute = (alg.old_logp == "recompute" or alg.tis_cap is not None) and not one_step
     total_mb = schedule.ppo_epochs * sum(
         math.ceil(len(part.mine(_local(rows, offsets, i))) / micro_batch_size)
         for rows in plan[0] for i, part in enumerate(parts)
@@ -427,6 +439,10 @@ def ppo_update(
             mismatch.add(
                 0.0, _mismatch(trainer[own, :width], rows.old_logp, rows.loss_mask, alg.tis_cap, rows)
             )
+        if one_step:  # the training forwards' own log-probs (see above)
+            old = None if alg.old_logp == "recompute" else part.batch.old_logp
+            part.aligned = Aligned(old_logp=old, tis_cap=alg.tis_cap)
+            continue
         part.aligned = Aligned(
             old_logp=trainer if alg.old_logp == "recompute" else part.batch.old_logp,
             is_weights=tis_weights(trainer, part.batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
@@ -523,7 +539,7 @@ def _mini_batch(
         loss += part_loss
         sums.merge(part_sums)
         if measure:
-            sums.add(0.0, _mismatch(logp, sub.old_logp, sub.loss_mask, None, sub))
+            sums.add(0.0, _mismatch(logp, sub.old_logp, sub.loss_mask, s.algorithm.tis_cap, sub))
     for name, share in _role_shares(subs, s).items():
         sums.add(0.0, {f"role/{name}/loss_share": Mean(share, 1.0)})
     return loss, sums, hit

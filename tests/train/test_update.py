@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rolerl
+from rolerl.algorithms.losses import tis_weights
 from rolerl.config import AlgorithmConfig, OptimConfig
 from rolerl.models.topology import Topology
 from rolerl.roles import ANSWER, REASONING, TOOL_CALL, TOOL_OUTPUT, shift
@@ -25,6 +26,7 @@ from rolerl.train.update import (
     by_length,
     loss_terms,
     ppo_update,
+    recompute_logprobs,
 )
 from rolerl.types import Turn, collate
 from tests.models.test_lora import randomize_adapters
@@ -211,6 +213,44 @@ def test_recompute_gives_ratio_one_and_logs_mismatch_and_tis(tokenizer):
         and metrics["grad_norm"] > 0
     )
     assert any(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
+
+
+def test_one_optimizer_step_takes_old_logprobs_and_tis_from_its_own_forward(tokenizer, monkeypatch):
+    """An update of one optimizer step trains the very policy its old log-probs would be recomputed from: it
+    takes them (and the TIS weights) from its own forward, detached, with no recomputing forward. The same
+    loss and gradients as recomputing first (float64: the two forwards agree to rounding), the PPO ratio
+    exactly 1, the mismatch and TIS still measured over every row; with two mini-batches (the second runs
+    on updated weights) the old log-probs are recomputed first, as before."""
+    model, _, route_of = dart_model(tokenizer, dtype=torch.float64)
+    batch = hand_batch(model, route_of)
+    s = settings(old_logp="recompute", tis_cap=2.0)
+    trainer = recompute_logprobs(model, batch, s, 2)
+    first = Aligned(trainer, tis_weights(trainer, batch.old_logp, cap=2.0))
+    want_loss, _, _ = accumulate_gradients(model, batch, first, s, micro_batch_size=2)
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    got_loss, _, _ = accumulate_gradients(model, batch, Aligned(None, tis_cap=2.0), s, micro_batch_size=2)
+    # the recomputed log-probs are stored in the batch's fp32 (`old_logp`), so the ratio of the recomputing
+    # path is 1 within fp32 rounding of |log p| (<~ 10): 1e-6 relative, not float64's
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    got = grads(model)
+    assert got.keys() == want.keys() and got
+    for name, g in got.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-5 * float(want[name].abs().max()))
+    model.zero_grad(set_to_none=True)
+    calls, real = [], update_module.recompute_logprobs
+    monkeypatch.setattr(update_module, "recompute_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    one = ppo_update(
+        [Part.of(model, batch)], model_optimizer(model), s, Schedule(), micro_batch_size=2,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert not calls and one["pg/ratio_min"] == one["pg/ratio_max"] == 1.0
+    assert 0.1 < one["logp_mismatch/mean_abs"] < 0.5 and 0 < one["logp_mismatch/tis_weight_mean"] <= 2.0
+    two = ppo_update(
+        [Part.of(model, batch)], model_optimizer(model), s, Schedule(mini_batches=2), micro_batch_size=2,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert calls == [1] and two["optimizer_steps"] == 2.0
 
 
 def test_rollout_old_logp_mismatch_from_the_first_pass_and_mini_batches(tokenizer):
