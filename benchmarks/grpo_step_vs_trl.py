@@ -15,12 +15,13 @@ Settings, side by side:
                bf16=True (its mixed precision) and rolerl train.bf16=true (bf16 autocast of the training
                forward); both sample as they do by default. `--mode fastest`: TRL bf16=True (its fastest
                supported CPU mode without vLLM) against rolerl's fastest honest mode: the engine samples
-               from a bf16 copy (rollout.dtype=bfloat16), bf16 autocast in training, old log-probs recomputed
-               by the trainer (an extra forward) and truncated importance sampling (tis_cap 2).
+               from a bf16 copy (rollout.dtype=bfloat16), bf16 autocast in training, the trainer's old
+               log-probs (old_logp=recompute: with one optimizer step per batch, as here, its update's own
+               forward gives them, no extra forward) and truncated importance sampling (tis_cap 2).
                `--mode bf16-base`: the frozen base weights in bf16 on both sides (loaded so; the LoRA
                weights stay fp32: PEFT's autocast_adapter_dtype, rolerl's adapters), bf16=True / bf16
                autocast; TRL generates with that model, rolerl's engine samples from it (rollout.dtype=model)
-               with old log-probs recomputed and TIS, as in `fastest`.
+               with the trainer's old log-probs and TIS, as in `fastest`.
   LoRA         r=16, alpha=32, dropout 0, all linear layers of the decoder (lm_head excluded on both).
                rolerl: adapters.rank=16, target_modules=all-linear, preset shared. TRL: peft LoraConfig.
   prompts      rolerl's `ArithmeticTask` chat prompts (system + user, chat template with the generation
@@ -305,7 +306,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
                 kl="k3",
                 beta=beta,
                 # a bf16 rollout (a copy, or the bf16 base itself: the engine's kernels round otherwise than
-                # the trainer's autocast) samples another distribution: the trainer recomputes old log-probs
+                # the trainer's autocast) samples another distribution: old log-probs are the trainer's
                 old_logp="recompute" if args.mode in ("fastest", "bf16-base") else "rollout",
                 tis_cap=2.0 if args.mode in ("fastest", "bf16-base") else None,
             ),
@@ -456,7 +457,7 @@ def main() -> None:
 
     summary: dict = {
         "model": args.model,
-        "dtype": "float32",
+        "dtype": base_dtype(args.mode),  # the base weights; adapters are fp32 on both sides
         "mode": args.mode,
         "heap": args.heap,
         "group_size": GROUP,

@@ -78,7 +78,11 @@ def sample(
     Few passes over the `(B, V)` logits, each one a read of 6 MB at batch 32 x 49k vocabulary (a decode
     step's sampling is bound by them): the row max, `exp(z - max)` into one new fp32 tensor, and its
     per-block sums, from which come the log-sum-exp and the draw (the CDF needs no normalising). bf16
-    logits are read as they are: the max is exact in bf16 and `z - max` promotes to fp32."""
+    logits are read as they are: the max is exact in bf16 and `z - max` promotes to fp32.
+
+    One uniform per row: unfiltered rows walk the CDF in vocabulary order, rows with top-k / top-p in
+    descending-probability order. A row's order depends on its own parameters only, never on its batch
+    neighbours', so the same request draws the same token alone or in any batch."""
     scales = [p.scale for p in params]
     z = (
         logits

@@ -38,15 +38,21 @@ def forward_backward(model, ids, mask, name: str | None):
     return logits.detach(), grads, shapes
 
 
-def test_grouped_sdpa_equals_sdpa_and_keeps_kv_once(tiny):
+def padded_case(tiny):
+    """The tiny model with a random adapter, a copy of it, and 3 rows with right padding (transformers
+    then builds a 4D mask)."""
     model, tok = tiny
     rolerl.add_adapters(model, ["a"], rank=4)
     randomize_adapters(model, std=0.1)
-    register_grouped_sdpa()
     ids = torch.tensor([tok.encode("One two three four five six seven", add_special_tokens=False)] * 3)
     mask = torch.ones_like(ids)
-    mask[1, 5:], mask[2, 3:] = 0, 0  # right padding: transformers builds a 4D mask
-    plain = copy.deepcopy(model)
+    mask[1, 5:], mask[2, 3:] = 0, 0
+    return model, copy.deepcopy(model), ids, mask
+
+
+def test_grouped_sdpa_equals_sdpa_and_keeps_kv_once(tiny):
+    model, plain, ids, mask = padded_case(tiny)
+    register_grouped_sdpa()
     got, got_grads, got_shapes = forward_backward(model, ids, mask, GROUPED_SDPA)
     want, want_grads, want_shapes = forward_backward(plain, ids, mask, None)
     # the same CPU flash kernel over the same values (bit for bit on the CPUs we ran); a few ulps of room in
@@ -68,16 +74,10 @@ def test_grouped_sdpa_equals_sdpa_and_keeps_kv_once(tiny):
 def test_lean_eager_equals_eager_and_keeps_no_probabilities(tiny, autocast):
     """`lean_eager` runs eager's ops, and again in backward under the same autocast state, so the logits and
     the gradients are eager's, bit for bit. What it keeps for backward holds no `(B, H, T, T)`
-    tensor (eager keeps the probabilities in fp32 and in the compute dtype) and no per-query-head copy of
-    K/V. In fp32 and under CPU bf16 autocast (the setting the trainer uses it in)."""
-    model, tok = tiny
-    rolerl.add_adapters(model, ["a"], rank=4)
-    randomize_adapters(model, std=0.1)
+    tensor (eager keeps the probabilities in fp32 and in the compute dtype) and is smaller in all. In fp32
+    and under CPU bf16 autocast (the setting the trainer uses it in)."""
+    model, plain, ids, mask = padded_case(tiny)
     register_lean_eager()
-    ids = torch.tensor([tok.encode("One two three four five six seven", add_special_tokens=False)] * 3)
-    mask = torch.ones_like(ids)
-    mask[1, 5:], mask[2, 3:] = 0, 0  # right padding: transformers builds a 4D mask
-    plain = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         got, got_grads, got_shapes = forward_backward(model, ids, mask, LEAN_EAGER)
         want, want_grads, want_shapes = forward_backward(plain, ids, mask, "eager")
