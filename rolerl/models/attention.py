@@ -80,9 +80,9 @@ def lean_eager(module, query, key, value, attention_mask, scaling=None, dropout=
     the K/V heads as they are, the mask) instead of what eager's ops keep, the probabilities twice (`(B, H,
     T, S)` in fp32 and in the compute dtype) and K/V repeated per query head. Under bf16 autocast that was
     about a third of what a training micro-batch kept (8 rows x ~240 positions on the default model), and
-    it grows with the square of the length. The recomputation runs the same ops under the same autocast state, so
-    values and gradients are eager's, bit for bit; the cost is eager's attention forward once more per
-    layer in backward. For Llama-family models (their eager attention is Llama's and reads no other
+    it grows with the square of the length. The recomputation runs the same ops under the same autocast
+    state, so values and gradients are eager's, bit for bit; the cost is eager's attention forward once
+    more per layer in backward. For Llama-family models (their eager attention is Llama's and reads no other
     keyword argument); without grad, with dropout in training or `output_attentions`, plain eager."""
     from torch.utils.checkpoint import checkpoint
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -100,6 +100,4 @@ def register_lean_eager() -> None:
     from transformers.masking_utils import eager_mask
 
     AttentionInterface.register(LEAN_EAGER, lean_eager)
-    AttentionMaskInterface.register(
-        LEAN_EAGER, eager_mask
-    )  # the additive masks transformers builds for eager
+    AttentionMaskInterface.register(LEAN_EAGER, eager_mask)  # eager's additive masks
