@@ -69,7 +69,7 @@ def demo_config(settings: DemoSettings) -> Config:
 def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to `run_dir/results.json`) every evaluation's summary."""
     from rolerl.hardware import describe
-    from rolerl.rollout.engine import Engine
+    from rolerl.rollout.engine import Engine, rollout_copy
     from rolerl.tools import build_tools
     from rolerl.train.policy import build_policy
     from rolerl.train.rl import resolve_old_logp, rollout_dtype, train
@@ -94,16 +94,19 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     old_logp = resolve_old_logp(cfg, policy)[0].algorithm.old_logp
     log(
         f"model {cfg.model.spec} ({cfg.model.dtype}), adapters {policy.adapter_names} rank {cfg.adapters.rank}, "
-        f"bf16 training {'on' if policy.bf16 else 'off'}, rollouts in "
+        f"bf16 training {'on' if policy.bf16 else 'off'}, rollouts and evaluations in "
         f"{str(sampling).removeprefix('torch.') if sampling else cfg.model.dtype}, PPO's old log-probs "
         f"{'recomputed' if old_logp == 'recompute' else 'from the rollout'} ({describe()})"
     )
     tools = build_tools(["python"])  # fails now, with what to do, where the sandbox cannot work
+    # the evaluations sample as the RL rollouts do (and as `train`'s held-out evaluations): from a copy in
+    # `rollout.dtype` where that is not the trainer's (adapters synced before each), else the trainer's
     engine = Engine(
-        policy.model,
+        rollout_copy(policy.model, sampling) if sampling else policy.model,
         policy.tokenizer,
         max_batch=cfg.rollout.max_batch,
         tools=tools,
+        source=policy.model if sampling else None,
         kernels=cfg.rollout.kernels,
     )
     held_out = {
@@ -116,6 +119,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         """Both groups in one batch (their episodes share the engine's forwards)."""
         groups = {g: (TIR(fmt if g == "format" else rl), ex[:limit], None) for g, ex in held_out.items()}
         total = sum(len(ex) for _, ex, _ in groups.values())
+        engine.sync()  # a copy takes the trainer's current adapters
         with ProgressBar(f"eval {stage}", total, enabled=progress, transient=True) as bar:
             out = evaluate_groups(
                 engine, policy.route_of, groups, max_new_tokens=cfg.rollout.max_new_tokens,

@@ -449,10 +449,12 @@ class FusedAdapters:
         return a, b
 
 
-def merged_delta(layer: RoutedLoRALinear, name: str) -> torch.Tensor:
-    """`scaling * B @ A` of adapter `name` on `layer` `(out, in)`: what merging it adds to the base weight."""
+def merged_delta(layer: RoutedLoRALinear, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`scaling * B @ A` of adapter `name` on `layer` `(out, in)`: what merging it adds to the base weight,
+    computed in `dtype` (default: the adapter's)."""
     spec = layer.state.adapters[name]
-    return (layer.lora_B[name].detach() * spec.scaling) @ layer.lora_A[name].detach()
+    a, b = layer.lora_A[name].detach(), layer.lora_B[name].detach()
+    return (b.to(dtype or b.dtype) * spec.scaling) @ a.to(dtype or a.dtype)
 
 
 def _stack(params: list[torch.Tensor], k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

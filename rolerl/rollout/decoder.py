@@ -181,7 +181,7 @@ class LeanDecoder:
         packed, state = self.packed, getattr(self.model, "_rolerl_route_state", None)
         if state is None:
             return None
-        if packed.merged is None and not packed.released and state.uniform():
+        if packed.merged is None and packed.repackable and state.uniform():
             name = state.names[state.used()[0]]
             if state.adapters[name].dropout == 0:
                 packed.merge_adapter(name)
@@ -190,6 +190,10 @@ class LeanDecoder:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on the packed weight of the last forward."""
         return packed_linear(hidden, *self._head)
+
+    def sleep(self) -> None:
+        """Let go of the last forward's head weight, so that `PackedLinears.drop` frees it too."""
+        self._head = None
 
 
 def _adapters(*modules: nn.Module) -> FusedAdapters:

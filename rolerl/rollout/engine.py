@@ -110,7 +110,7 @@ class Engine:
         else:
             self.packed = PackedLinears.of(model, max_batch) if self.kernels == "onednn" else None
         if self.packed is not None and (source is not None if owns_model is None else owns_model):
-            self.packed.release()
+            self.packed.release(source)
         # every id the head can produce: a model's vocabulary is often padded past its tokenizer's (Qwen3:
         # 151,936 rows, 151,669 tokens); an id with no token is b"" (as `tokenizer.decode` skips it)
         self.bytes = token_bytes(tokenizer, getattr(model.config, "vocab_size", None))
@@ -204,12 +204,15 @@ class Engine:
 
     def sleep(self) -> None:
         """Between rollouts (while the trainer updates): free what only sampling needs, the KV cache and the
-        packed copy of weights that the trainer holds too (`PackedLinears.drop`); the next request
-        allocates and packs them again. A model the engine owns keeps its packed weights (they are its
-        only weights). Refused with requests in flight."""
+        packed copy of weights that the trainer holds too, or that a rollout copy packs again from the
+        trainer's weights (`PackedLinears.drop`); the next request allocates and packs them again. A
+        generation-only model the engine owns keeps its packed weights (they are its only weights). Refused
+        with requests in flight."""
         if self.has_work:
             raise RuntimeError("engine.sleep() with requests in flight")
         self.cache = None
+        if self.lean is not None:
+            self.lean.sleep()
         if self.packed is not None:
             self.packed.drop()
 

@@ -13,8 +13,9 @@ asked (`groups`: the engine's lean decoder runs q/k/v and gate/up as one GEMM ea
 changes (its tensor version or storage moves, e.g. a trainable base) is packed again on the next use. The
 packed copies take as much memory as the weights they copy; a model only the engine uses (`release()`: a
 rollout copy in another dtype, or a generation-only model) keeps the packed copies alone and frees the plain
-weights. An fp32 LM head tied to the input embeddings is never copied: oneDNN runs it on that matrix itself
-(`PackedLinears._tied`).
+weights. A rollout copy released with its `source` (the trainer's model) still drops its packed copies
+between rollouts, packs them again from the source's weights, and takes a merged adapter. An fp32 LM head
+tied to the input embeddings is never copied: oneDNN runs it on that matrix itself (`PackedLinears._tied`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class PackedLinears:
         self.merged: str | None = None  # the adapter whose weights the packed weights hold (`merge_adapter`)
         self._routed: dict[int, RoutedLoRALinear] = {}  # id(base linear) -> the routed layer wrapping it
         self._shared: set[int] | None = None  # `_shared_ptrs()`, kept while packing
+        self._sources: dict[int, nn.Linear] = {}  # id(linear) -> its source's (`release(source)`)
 
     @classmethod
     def of(
@@ -94,6 +96,11 @@ class PackedLinears:
     @property
     def model(self) -> nn.Module:
         return self._model()
+
+    @property
+    def repackable(self) -> bool:
+        """Whether the packed copies can be built again: the plain weights are there, or a source's."""
+        return not self.released or bool(self._sources)
 
     def regroup(self, groups: Sequence[Sequence[nn.Linear]]) -> None:
         """Pack `groups` together from now on (every other linear alone), e.g. after adapters were injected
@@ -117,10 +124,10 @@ class PackedLinears:
         """Pack adapter `name` into the base weights of the layers that carry it (`W + scaling * B @ A`, in
         the weights' dtype), None = the plain base weights; re-packed whenever that adapter's weights change.
         Only for a caller that subtracts it from tokens routed elsewhere (`FusedAdapters`, the engine's lean
-        decoder); never on a released model (its plain weights are gone)."""
+        decoder); never on a model released without a source (its plain weights are gone)."""
         if name == self.merged:
             return
-        if name is not None and self.released:
+        if name is not None and not self.repackable:
             raise RuntimeError("a released model's packed weights cannot take a merged adapter")
         self.merged = name
         self._routed = {
@@ -134,13 +141,13 @@ class PackedLinears:
     @contextmanager
     def __call__(self) -> Iterator[None]:
         """Run every linear layer of the model on its packed weights inside the block."""
-        if self.released:  # the packed forwards are installed for good
-            yield
-            return
         if self.merged is not None:  # the routed layers would add it a second time
             raise RuntimeError(
                 f"adapter {self.merged!r} is merged into the packed weights: lean decoder only"
             )
+        if self.released:  # the packed forwards are installed for good
+            yield
+            return
         self._install()
         try:
             yield
@@ -149,28 +156,40 @@ class PackedLinears:
                 m.__dict__.pop("forward", None)
 
     def drop(self) -> None:
-        """Free the packed copies (a model the trainer also runs keeps its plain weights); the next
-        `with packed():` packs again. Nothing to drop once released: the packed copies are the weights."""
-        if not self.released:
+        """Free the packed copies (a model the trainer also runs keeps its plain weights, a copy released
+        with a source packs again from the source's); the next use packs again. Nothing to drop on a model
+        released without a source: the packed copies are its weights."""
+        if self.repackable:
             self._packed.clear()
             self.merged = None  # the next rollout chooses again, at no extra cost
             self._shared = None
 
-    def release(self) -> int:
+    def release(self, source: nn.Module | None = None) -> int:
         """Pack every layer, install the packed forwards for good and free the plain weights (a weight
         shared with another module, e.g. an LM head tied to the embeddings, is kept). The model then runs
-        only without autograd and its linear weights are frozen. Returns the bytes freed."""
+        only without autograd and its linear weights are frozen. Returns the bytes freed.
+
+        `source`: the model this one copies in another dtype (`rollout_copy`; the same module names and
+        shapes). Its weights, cast to this model's dtype, stand in for the freed ones: `drop()` then frees the
+        packed copies too (a rollout copy takes no memory while the trainer updates) and the next use packs
+        them again, with a merged adapter where the lean decoder asks for one."""
+        if source is not None:
+            self._sources = _sources(self.model, source)
         shared = self._shared = self._shared_ptrs()  # `_tied` reads it while the groups are packed
         uses = Counter(m.weight.data_ptr() for m in self.linears)
         maps = _file_mappings()
         freed = 0
         for group in self.groups:  # group by group: the peak is the weights plus one group, not twice them
-            self._install(group)
+            if not self._sources:  # else packed from the source's weights when first used
+                self._install(group)
             for m in group:
                 if m.weight.data_ptr() not in shared and uses[m.weight.data_ptr()] == 1:
                     freed += m.weight.numel() * m.weight.element_size()
                     _drop_file_pages(m.weight, maps)
                     m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+        if self._sources:
+            self._packed.clear()
+            self._install()
         self.released = True
         return freed
 
@@ -202,6 +221,12 @@ class PackedLinears:
         columns of the group's output; through __dict__: nn.Module.__setattr__ costs ~1 ms per step here).
         All groups by default."""
         for group in groups or self.groups:
+            if self._sources:  # packed (again after each `drop`) when first called
+                lo = 0
+                for m in group:
+                    m.__dict__["forward"] = self._repacking_forward(group, (lo, lo + m.out_features))
+                    lo += m.out_features
+                continue
             weight, bias = self._pack(group)
             if len(group) == 1:
                 group[0].__dict__["forward"] = _packed_forward(weight, bias)
@@ -217,19 +242,28 @@ class PackedLinears:
         carriers = [self._carrier(m) for m in group] if self.merged is not None else []
         if any(carriers):  # the merged adapter's weights too
             state += (self.merged, *((p._version, p.data_ptr()) for c in carriers if c for p in c))
+        # a released copy's freed weights: its source's (None where the model's own are there)
+        sources = [self._sources.get(id(m)) if not m.weight.numel() else None for m in group]
+        state += tuple((s.weight._version, s.weight.data_ptr()) for s in sources if s is not None)
         cached = self._packed.get(key)
-        if cached is not None and (cached[0] == state or self.released):  # released: the weights are gone
+        if cached is not None and (cached[0] == state or not self.repackable):  # the weights are gone
             return cached[1]
         with torch.no_grad():
-            w = group[0].weight if len(group) == 1 else torch.cat([m.weight for m in group])
+            # from a source: summed with a merged adapter in its dtype (fp32 for a bf16 rollout copy) and
+            # rounded to this model's dtype once
+            plain = [m.weight if s is None else s.weight for m, s in zip(group, sources, strict=True)]
+            w = plain[0] if len(group) == 1 else torch.cat(plain)
             if any(carriers):  # W + scaling * B @ A on the carriers' rows, W alone elsewhere
                 deltas = [
-                    merged_delta(self._routed[id(m)], self.merged).to(w.dtype)
+                    merged_delta(
+                        self._routed[id(m)], self.merged, torch.promote_types(w.dtype, c[0].dtype)
+                    ).to(w.dtype)
                     if c
-                    else torch.zeros_like(m.weight)
+                    else w.new_zeros(m.out_features, m.in_features)
                     for m, c in zip(group, carriers, strict=True)
                 ]
                 w = w + torch.cat(deltas)
+            w = w.to(group[0].weight.dtype)
             if len(group) == 1 and not any(carriers) and self._tied(group[0]):
                 packed = w.detach()  # a tied head: on the embeddings' own matrix (`_tied`)
             else:
@@ -244,12 +278,40 @@ class PackedLinears:
         self._packed[key] = (state, (packed, bias))
         return packed, bias
 
+    def _repacking_forward(self, group: tuple[nn.Linear, ...], columns: tuple[int, int]):
+        """A released copy's forward of one layer of `group` (its `columns` of the group's output) on the
+        group's packed weight as it is now (`drop` may have freed the one there was)."""
+        linear, whole = torch.ops.mkldnn._linear_pointwise, len(group) == 1
+        lo, hi = columns
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            out = linear(x, *self._pack(group), "none", [], "")
+            return out if whole else out[..., lo:hi].contiguous()
+
+        return forward
+
     def _carrier(self, m: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The merged adapter's A and B on the routed layer wrapping `m`, if it carries that adapter."""
         routed = self._routed.get(id(m))
         if routed is None or self.merged not in routed.lora_A:
             return None
         return routed.lora_A[self.merged], routed.lora_B[self.merged]
+
+
+def _sources(model: nn.Module, source: nn.Module) -> dict[int, nn.Linear]:
+    """id(linear of `model`) -> the linear of the same name in `source`, which must have the same shape."""
+    theirs = dict(source.named_modules())
+    out = {}
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        s = theirs.get(name)
+        if type(s) is not nn.Linear or s.weight.shape != m.weight.shape:
+            raise ValueError(
+                f"the source model has no linear layer {name!r} of shape {tuple(m.weight.shape)}"
+            )
+        out[id(m)] = s
+    return out
 
 
 _PER_MODEL: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()

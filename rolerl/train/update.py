@@ -148,12 +148,33 @@ class Aligned:
     # update of one optimizer step trains the very policy they would be recomputed from)
     old_logp: Tensor | None
     is_weights: Tensor | None = None  # truncated IS weights, when TIS is on
-    tis_cap: float | None = None  # TIS from the training forward's own log-probs (`is_weights` is None)
+    # TIS from the training forward's own log-probs: of the `fresh` rows, or of every row without them
+    tis_cap: float | None = None
+    # (B,) bool: rows whose first training forward comes before any optimizer step and was not recomputed:
+    # it gives their old log-probs (`own_old`: the trainer's are PPO's) and TIS weights, kept by `keep`
+    fresh: Tensor | None = None
+    own_old: bool = False
 
     def rows(self, rows: Tensor | list[int], width: int) -> Aligned:
         w = None if self.is_weights is None else self.is_weights[rows, :width]
         old = None if self.old_logp is None else self.old_logp[rows, :width]
-        return Aligned(old, w, self.tis_cap)
+        fresh = None if self.fresh is None else self.fresh[rows]
+        return Aligned(old, w, self.tis_cap, fresh, self.own_old)
+
+    def keep(self, rows: list[int], logp: Tensor, rollout: Tensor) -> None:
+        """Keep what the fresh ones among `rows` took from their training forward (its detached `logp`
+        `(len(rows), W)`, `rollout` their rollout log-probs) for the epochs after: they are fresh no more."""
+        if self.fresh is None or not rows:
+            return
+        at = self.fresh[rows].nonzero().squeeze(1)
+        if not len(at):
+            return
+        which, width = torch.tensor(rows)[at], logp.shape[1]
+        if self.own_old:
+            self.old_logp[which, :width] = logp[at]
+        if self.tis_cap is not None:
+            self.is_weights[which, :width] = tis_weights(logp[at], rollout[at], cap=self.tis_cap)
+        self.fresh[which] = False
 
 
 def loss_terms(
@@ -170,12 +191,17 @@ def loss_terms(
         out = token_logprobs(model, mb, with_entropy=True, **s.logprob_args())
     logp, entropy = out.logp, out.entropy  # (b, T-1)
     adv = mb.advantages[:, :-1]  # (b, T-1)
+    own, fresh = logp.detach(), None if aligned.fresh is None else aligned.fresh[:, None]  # fresh: (b, 1)
+    old = own if aligned.old_logp is None else aligned.old_logp[:, :-1]
+    if fresh is not None and aligned.own_old:
+        old = torch.where(fresh, own, old)
     is_weights = None if aligned.is_weights is None else aligned.is_weights[:, :-1]
     if aligned.tis_cap is not None:
-        is_weights = tis_weights(logp.detach(), mb.old_logp[:, :-1], cap=aligned.tis_cap)
+        mine = tis_weights(own, mb.old_logp[:, :-1], cap=aligned.tis_cap)
+        is_weights = mine if fresh is None else torch.where(fresh, mine, is_weights)
     pg = ppo_clip_loss(
         logp,
-        logp.detach() if aligned.old_logp is None else aligned.old_logp[:, :-1],
+        old,
         adv,
         mask,
         clip_low=alg.clip_low,
@@ -396,28 +422,38 @@ def ppo_update(
     each step and the metrics are merged over ranks.
 
     Rows of all parts are shuffled together; a mini-batch's normaliser (`AggNorm`) and role shares are
-    counted over all its rows. `old_logp: recompute` (or TIS) runs one no-grad forward first, so the
-    mismatch to the rollout's log-probs is measured on every row before any update; otherwise the first
-    mini-batch's forward (a random share of the rows, before the first optimizer step) is that measurement,
-    at no extra cost. An update of one optimizer step (one epoch of one mini-batch, or `merged` steps) needs
-    no recomputing forward: the policy the old log-probs would come from is the one its forwards run, so
-    they are those forwards' own (detached; the PPO ratio is 1, as TRL does with one iteration) and TIS
-    weighs by them, and that forward over every row measures the mismatch. `progress(done, total)` is called
-    after each micro-batch forward.
+    counted over all its rows. `old_logp: recompute` (or TIS) needs the trainer's log-probs of every row
+    under the policy before the update. A row whose first training forward comes before any optimizer
+    step (the first mini-batch's rows; every row with `merged` steps) has them from that forward: its old
+    log-probs and TIS weights are that forward's (detached; the PPO ratio starts at 1, as TRL does with one
+    iteration) and are kept for later epochs. Only the other rows run a no-grad forward first: none in an
+    update of one optimizer step, half of them with two mini-batches. Either way the rollout/trainer
+    mismatch is measured once on every row (without recomputing, on the first mini-batch's rows: a random
+    share, at no extra cost). `progress(done, total)` is called after each micro-batch forward.
     """
     alg = s.algorithm
     offsets = [0]
     for part in parts:
         offsets.append(offsets[-1] + part.batch.input_ids.shape[0])
     roles = [r for part in parts for r in part.batch.roles]
-    plan = [schedule.mini_batches_of(torch.arange(offsets[-1]), roles)]  # epoch 0 shape, for the count
-    one_step = schedule.ppo_epochs == 1 and (schedule.merged or len(plan[0]) == 1)
-    recompute = (alg.old_logp == "recompute" or alg.tis_cap is not None) and not one_step
+    order0 = torch.randperm(offsets[-1], generator=generator)  # epoch 0's, drawn first: it decides `early`
+    first = schedule.mini_batches_of(order0, roles)
+    one_step = schedule.ppo_epochs == 1 and (schedule.merged or len(first) == 1)
+    needed = alg.old_logp == "recompute" or alg.tis_cap is not None
+    # rows whose first training forward comes before any optimizer step (every row under merged steps,
+    # else the first mini-batch's): that forward gives their old log-probs; only the others are recomputed
+    early = set((order0 if schedule.merged else first[0]).tolist())
+    todo = [
+        [r for r in p.mine(range(p.batch.input_ids.shape[0])) if r + offsets[i] not in early]
+        if needed
+        else []
+        for i, p in enumerate(parts)
+    ]
     total_mb = schedule.ppo_epochs * sum(
         math.ceil(len(part.mine(_local(rows, offsets, i))) / micro_batch_size)
-        for rows in plan[0] for i, part in enumerate(parts)
-    ) + (sum(math.ceil(len(p.mine(range(p.batch.input_ids.shape[0]))) / micro_batch_size) for p in parts)
-         if recompute else 0)  # fmt: skip
+        for rows in first
+        for i, part in enumerate(parts)
+    ) + sum(math.ceil(len(rows) / micro_batch_size) for rows in todo)
     done = 0
 
     def tick() -> None:
@@ -427,37 +463,41 @@ def ppo_update(
             progress(done, total_mb)
 
     mismatch = Sums()
-    for part in parts:
-        own = part.mine(range(part.batch.input_ids.shape[0]))
-        trainer = (
-            recompute_logprobs(part.model, part.batch, s, micro_batch_size, tick, own) if recompute else None
-        )
-        if trainer is not None and own:
-            b = part.batch
-            rows = select_rows(b, own)
-            width = rows.input_ids.shape[1]
-            mismatch.add(
-                0.0, _mismatch(trainer[own, :width], rows.old_logp, rows.loss_mask, alg.tis_cap, rows)
-            )
-        if one_step:  # the training forwards' own log-probs (see above)
-            old = None if alg.old_logp == "recompute" else part.batch.old_logp
+    for i, (part, rows) in enumerate(zip(parts, todo, strict=True)):
+        batch = part.batch
+        trainer = recompute_logprobs(part.model, batch, s, micro_batch_size, tick, rows) if rows else None
+        if trainer is not None:
+            sub = select_rows(batch, rows)
+            width = sub.input_ids.shape[1]
+            mismatch.add(0.0, _mismatch(trainer[rows, :width], sub.old_logp, sub.loss_mask, alg.tis_cap, sub))
+        if not needed:
+            part.aligned = Aligned(old_logp=batch.old_logp)
+        elif one_step:  # the training forwards' own log-probs, used once: nothing to keep
+            old = None if alg.old_logp == "recompute" else batch.old_logp
             part.aligned = Aligned(old_logp=old, tis_cap=alg.tis_cap)
-            continue
-        part.aligned = Aligned(
-            old_logp=trainer if alg.old_logp == "recompute" else part.batch.old_logp,
-            is_weights=tis_weights(trainer, part.batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
-        )
+        else:
+            fresh = torch.zeros(batch.input_ids.shape[0], dtype=torch.bool)
+            fresh[_local(torch.tensor(sorted(early)), offsets, i)] = True
+            trainer = trainer if trainer is not None else torch.zeros_like(batch.old_logp)
+            part.aligned = Aligned(
+                old_logp=trainer if alg.old_logp == "recompute" else batch.old_logp,
+                is_weights=tis_weights(trainer, batch.old_logp, cap=alg.tis_cap) if alg.tis_cap else None,
+                tis_cap=alg.tis_cap,
+                fresh=fresh,
+                own_old=alg.old_logp == "recompute",
+            )
     sums, losses, norms, touched = Sums(), [], [], Counter()
     for epoch in range(schedule.ppo_epochs):
-        order = torch.randperm(offsets[-1], generator=generator)
+        order = order0 if epoch == 0 else torch.randperm(offsets[-1], generator=generator)
         batches = schedule.mini_batches_of(order, roles)
         if schedule.merged:
             optimizer.zero_grad()
         for k, rows in enumerate(batches):
             if not schedule.merged:
                 optimizer.zero_grad()
-            # the forwards before the first optimizer step measure the rollout/trainer mismatch
-            measure = not recompute and epoch == 0 and (k == 0 or schedule.merged)
+            # the forwards before the first optimizer step measure the rollout/trainer mismatch of the rows
+            # not recomputed
+            measure = epoch == 0 and (k == 0 or schedule.merged)
             loss, mb_sums, hit = _mini_batch(parts, rows, offsets, s, micro_batch_size, tick, measure)
             touched.update(hit)
             losses.append(loss)
@@ -478,7 +518,8 @@ def ppo_update(
     if dist.active:  # every rank's sums, merged in rank order; the losses summed over ranks
         mismatch, sums = (_merged(s_) for s_ in zip(*dist.gather((mismatch, sums)), strict=True))
         losses = dist.sum(losses)
-    metrics = mismatch.result() | sums.result(len(losses))
+    sums.merge(mismatch)  # every row's mismatch once: recomputed, or measured by its first forward
+    metrics = sums.result(len(losses))
     metrics["loss/total"] = sum(losses) / max(len(losses), 1)
     metrics["grad_norm"] = sum(n["global"] for n in norms) / max(len(norms), 1)
     metrics["optimizer_steps"] = float(len(norms))
@@ -536,6 +577,7 @@ def _mini_batch(
         part_loss, part_sums, logp = accumulate_gradients(
             part.model, sub, part.aligned.rows(local, width), ps, micro_batch_size, tick, norm
         )
+        part.aligned.keep(local, logp, sub.old_logp)
         loss += part_loss
         sums.merge(part_sums)
         if measure:

@@ -11,6 +11,7 @@ import torch
 from torch.nn import functional as F
 
 import rolerl
+from rolerl.models.lora import RoutedLoRALinear, merged_delta
 from rolerl.rollout.engine import Engine, GenerationRequest, rollout_copy
 from rolerl.rollout.kv import KVCache
 from rolerl.rollout.packed import (
@@ -145,6 +146,88 @@ def test_rollout_copy_engine_releases_the_copy_not_the_trainer(tiny):
     Engine(copy_, tok, max_batch=4, kernels="onednn", source=model)
     assert all(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)  # trainer intact
     assert not all(m.weight.numel() for m in copy_.modules() if type(m) is torch.nn.Linear)
+
+
+def one_adapter_requests(tok, n: int = 10, adapter: int = 0) -> list[GenerationRequest]:
+    # every token on one adapter (a): the lean decoder merges it into the packed weights
+    route = dict.fromkeys(KINDS, adapter)
+    return [
+        GenerationRequest(
+            tok.encode(p, add_special_tokens=False),
+            SamplingParams(greedy=False, seed=i, max_new_tokens=n),
+            route_of=route,
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def assert_same_turns(got, want) -> None:
+    assert [t.completion_ids for t in got] == [t.completion_ids for t in want]
+    assert [t.logprobs for t in got] == [t.logprobs for t in want]
+
+
+def test_a_rollout_copy_frees_its_packed_weights_between_rollouts_and_packs_them_from_the_source(tiny):
+    """A copy released with its source (the trainer's model) frees its packed weights on `sleep` (nothing
+    keeps them alive: the copy takes no memory while the trainer updates) and packs them again from the
+    source's weights on the next request; it merges an adapter every token uses and follows the source's
+    adapters through `sync`. At every point it samples what an engine over the trainer's own model
+    samples, bit for bit (fp32: the same weights, the same packed ops)."""
+    import gc
+    import weakref
+
+    model, tok = tiny
+    with_adapters(model)
+    engine = Engine(rollout_copy(model, torch.float32), tok, max_batch=4, kernels="onednn", source=model)
+    trainer = Engine(model, tok, max_batch=4, kernels="onednn")
+    assert all(m.weight.numel() == 0 for m in engine.model.modules() if type(m) is torch.nn.Linear
+               and m is not engine.model.get_output_embeddings())  # fmt: skip
+    for reqs in (requests(tok, False), one_adapter_requests(tok), requests(tok, True)):
+        assert_same_turns(engine.generate(reqs), trainer.generate(reqs))
+        if reqs[0].route_of["answer"] == 0 and reqs[1].route_of["answer"] == 0 and engine.lean is not None:
+            assert engine.packed.merged == "a"
+        packed = [weakref.ref(w) for w, _ in engine.packed.weights()]
+        engine.sleep()
+        trainer.sleep()
+        gc.collect()
+        assert all(ref() is None for ref in packed), "the copy's packed weights outlive sleep()"
+        assert engine.packed.merged is None
+    before = engine.generate(one_adapter_requests(tok))
+    randomize_adapters(model, seed=1, std=0.2)  # an update of the trainer's adapters
+    engine.sync()
+    after = engine.generate(one_adapter_requests(tok))  # without a sleep: the merged weights follow
+    assert_same_turns(after, trainer.generate(one_adapter_requests(tok)))
+    assert [t.logprobs for t in after] != [t.logprobs for t in before]
+
+
+@pytest.mark.skipif(
+    not onednn_supported(torch.device("cpu"), torch.bfloat16), reason="no native bf16 on this CPU"
+)
+def test_a_bf16_rollout_copy_merges_in_fp32_and_rounds_once(tiny):
+    """A bf16 copy of an fp32 trainer merges adapter a (its own bf16 A and B) as bf16(W + s B A) summed in
+    fp32: it samples what a bf16 copy of a model whose fp32 weights hold those sums samples, bit for bit
+    (random tiny models sample from nearly flat distributions: one rounding apart, the tokens part)."""
+    model, tok = tiny
+    plain = copy.deepcopy(model)
+    with_adapters(model)
+    merged = dict(plain.named_modules())
+    with torch.no_grad():
+        for name, m in rollout_copy(model, torch.bfloat16).named_modules():
+            if isinstance(m, RoutedLoRALinear) and "a" in m.lora_A:
+                merged[name].weight.add_(merged_delta(m, "a", torch.float32))
+    engine = Engine(rollout_copy(model, torch.bfloat16), tok, max_batch=4, kernels="onednn", source=model)
+    if engine.lean is None:
+        pytest.skip("merging is the lean decoder's")
+    want = Engine(rollout_copy(plain, torch.bfloat16), tok, max_batch=4, kernels="onednn", owns_model=True)
+    got = engine.generate(one_adapter_requests(tok))
+    assert engine.packed.merged == "a"
+    assert_same_turns(got, want.generate(one_adapter_requests(tok, adapter=-1)))  # no adapters
+
+
+def test_a_source_must_match_the_copy():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))
+    with pytest.raises(ValueError, match="no linear layer '1' of shape"):
+        PackedLinears(model).release(other)
 
 
 def test_engines_over_one_model_share_one_packed_copy(tiny):

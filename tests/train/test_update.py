@@ -3,6 +3,7 @@ at zero adapters, recompute/TIS bookkeeping, and the learning-rate schedule."""
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
@@ -251,6 +252,75 @@ def test_one_optimizer_step_takes_old_logprobs_and_tis_from_its_own_forward(toke
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     assert calls == [1] and two["optimizer_steps"] == 2.0
+
+
+def full_recompute_update(model, batch, s, schedule, micro_batch_size, generator) -> list[float]:
+    """The update with every row's old log-probs (and TIS weights) recomputed first: one model, mini-batches
+    of every role together, `per_minibatch` steps. Returns each optimizer step's loss."""
+    trainer = recompute_logprobs(model, batch, s, micro_batch_size)
+    aligned = Aligned(trainer, tis_weights(trainer, batch.old_logp, cap=s.algorithm.tis_cap))
+    opt, losses = model_optimizer(model, grad_clip=0.0), []
+    for _ in range(schedule.ppo_epochs):
+        order = torch.randperm(batch.input_ids.shape[0], generator=generator)
+        for rows in schedule.mini_batches_of(order, batch.roles):
+            opt.zero_grad()
+            sub = select_rows(batch, rows.tolist())
+            loss, _, _ = accumulate_gradients(
+                model, sub, aligned.rows(rows.tolist(), sub.input_ids.shape[1]), s, micro_batch_size
+            )
+            opt.step()
+            losses.append(loss)
+    return losses
+
+
+def test_rows_trained_before_any_step_take_old_logprobs_from_that_forward(tokenizer, monkeypatch):
+    """The first mini-batch's rows run their first forward before any optimizer step: their old log-probs
+    (`recompute`) and TIS weights come from it and are kept for the next epoch; only the other rows are
+    recomputed first. Two epochs of two mini-batches end with the same adapters and losses as recomputing
+    every row (float64: the two forwards agree to rounding), and the mismatch is measured once per row, as
+    the full recompute measures it. Under `merged` steps no row is recomputed at all."""
+    base, _, route_of = dart_model(tokenizer, dtype=torch.float64)
+    batch = hand_batch(base, route_of, n=5)
+    s = settings(old_logp="recompute", tis_cap=1.5)
+    schedule = Schedule(ppo_epochs=2, mini_batches=2)
+    ref = copy.deepcopy(base)
+    want = full_recompute_update(ref, batch, s, schedule, 2, torch.Generator().manual_seed(0))
+    recomputed, real = [], update_module.recompute_logprobs
+    monkeypatch.setattr(
+        update_module, "recompute_logprobs",
+        lambda *a, **k: recomputed.append(sorted(a[5])) or real(*a, **k),
+    )  # fmt: skip
+    model = copy.deepcopy(base)
+    got = ppo_update(
+        [Part.of(model, batch)], model_optimizer(model, grad_clip=0.0), s, schedule, micro_batch_size=2,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    first = schedule.mini_batches_of(torch.randperm(5, generator=torch.Generator().manual_seed(0)), [])[0]
+    assert recomputed == [sorted(set(range(5)) - set(first.tolist()))]  # the second mini-batch's rows only
+    assert got["optimizer_steps"] == 4.0
+    # the recomputed log-probs are stored in the batch's fp32 (`old_logp`), the kept ones too, but the first
+    # mini-batch's first pass uses its float64 own: agreement within fp32 rounding, not float64's
+    assert got["loss/total"] == pytest.approx(sum(want) / len(want), rel=1e-5)
+    moved = 0.0
+    for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), base.parameters(), strict=True):
+        got_step, want_step = (p - p0).detach(), (q - p0).detach()
+        atol = 1e-4 * float(want_step.abs().max())
+        torch.testing.assert_close(got_step, want_step, rtol=1e-4, atol=atol, msg=name)
+        moved = max(moved, atol)
+    assert moved > 0
+    # the mismatch of every row, once: as a forward over all of them measures it
+    trainer = real(base, batch, s, 2)
+    full = update_module._mismatch(trainer, batch.old_logp, batch.loss_mask, s.algorithm.tis_cap)
+    assert got["logp_mismatch/mean_abs"] == pytest.approx(full["logp_mismatch/mean_abs"].value, rel=1e-6)
+    assert got["logp_mismatch/max_abs"] == pytest.approx(full["logp_mismatch/max_abs"], rel=1e-6)
+    recomputed.clear()
+    merged = ppo_update(
+        [Part.of(model, batch)], model_optimizer(model, grad_clip=0.0), s,
+        Schedule(ppo_epochs=2, mini_batches=2, merged=True), micro_batch_size=2,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert not recomputed and merged["optimizer_steps"] == 2.0
+    assert merged["pg/ratio_max"] > 1.0 or merged["pg/ratio_min"] < 1.0  # epoch 2: the kept old log-probs
 
 
 def test_rollout_old_logp_mismatch_from_the_first_pass_and_mini_batches(tokenizer):
