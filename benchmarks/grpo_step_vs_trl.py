@@ -352,6 +352,8 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
                         "reward_std": metrics["reward/std"],
                         "threads": torch.get_num_threads(),
                         "rss_mb": round(rss_mb()),
+                        "rollout_s": round(metrics["time/rollout"], 2),  # where the step's time went
+                        "update_s": round(metrics["time/update"], 2),
                     }
                 )
         finally:
@@ -410,6 +412,10 @@ def check(runs: list[dict]) -> dict:
         "reward_std": [round(s["reward_std"], 3) for s in runs[0]["per_step"]],
         "threads": sorted({s["threads"] for s in steps}),
         "rss_mb_after_steps": [s["rss_mb"] for s in runs[0]["per_step"]],
+        # rolerl's rollout / update seconds per step, every round's steps (warm-up included)
+        "rollout_update_s": [
+            [s["rollout_s"], s["update_s"]] for r in runs for s in r["per_step"] if "rollout_s" in s
+        ],
         "rss_after_init_mb": round(runs[0]["rss_after_init_mb"]),
         "trainable_params": runs[0]["trainable_params"],
     }
