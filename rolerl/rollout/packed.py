@@ -24,6 +24,7 @@ import weakref
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
@@ -222,18 +223,12 @@ class PackedLinears:
         All groups by default."""
         for group in groups or self.groups:
             if self._sources:  # packed (again after each `drop`) when first called
-                lo = 0
-                for m in group:
-                    m.__dict__["forward"] = self._repacking_forward(group, (lo, lo + m.out_features))
-                    lo += m.out_features
-                continue
-            weight, bias = self._pack(group)
-            if len(group) == 1:
-                group[0].__dict__["forward"] = _packed_forward(weight, bias)
-                continue
+                forward = partial(self._repacking_forward, group)
+            else:
+                forward = partial(_packed_forward, *self._pack(group))
             lo = 0
             for m in group:
-                m.__dict__["forward"] = _packed_forward(weight, bias, (lo, lo + m.out_features))
+                m.__dict__["forward"] = forward(None if len(group) == 1 else (lo, lo + m.out_features))
                 lo += m.out_features
 
     def _pack(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -278,15 +273,15 @@ class PackedLinears:
         self._packed[key] = (state, (packed, bias))
         return packed, bias
 
-    def _repacking_forward(self, group: tuple[nn.Linear, ...], columns: tuple[int, int]):
-        """A released copy's forward of one layer of `group` (its `columns` of the group's output) on the
-        group's packed weight as it is now (`drop` may have freed the one there was)."""
-        linear, whole = torch.ops.mkldnn._linear_pointwise, len(group) == 1
-        lo, hi = columns
+    def _repacking_forward(self, group: tuple[nn.Linear, ...], columns: tuple[int, int] | None):
+        """A released copy's forward of one layer of `group` (its `columns` of the group's output, None =
+        all) on the group's packed weight as it is now (`drop` may have freed the one there was)."""
+        linear = torch.ops.mkldnn._linear_pointwise
+        lo, hi = columns or (None, None)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             out = linear(x, *self._pack(group), "none", [], "")
-            return out if whole else out[..., lo:hi].contiguous()
+            return out if columns is None else out[..., lo:hi].contiguous()
 
         return forward
 
