@@ -302,7 +302,9 @@ class TrainConfig(Section):
     # bf16 autocast for the training forward; auto = on where bf16 is native (GPU, or a CPU with AVX512-BF16
     # or AMX; rolerl.hardware), off elsewhere (emulated bf16 is ~45x slower than fp32 on an AVX2 CPU)
     bf16: bool | Literal["auto"] = "auto"
-    logprob_chunk: int = 512  # positions per chunk in the log-prob computation
+    # positions per chunk in the log-prob computation; auto = on CPU the most whose fp32 logits fit in 32 MB
+    # (the largest block the kept heap serves: 170 at a 49,152-token vocabulary), 512 on GPUs
+    logprob_chunk: int | Literal["auto"] = "auto"
     # compute a prompt shared by several rows (a GRPO group), or the start all rows' prompts share (the
     # system prompt of imitation data), once per micro-batch (RL and imitation)
     share_prefix: bool = True
@@ -316,6 +318,11 @@ class TrainConfig(Section):
     # (rolerl.heap). trim: glibc's defaults, and the engine trims the heap when it sizes a rollout's KV cache
     heap: Literal["keep", "trim"] = "keep"
 
+    @property
+    def chunk_size(self) -> int | None:
+        """`logprob_chunk` as the trainer takes it: None for auto (`chunk_positions`)."""
+        return None if self.logprob_chunk == "auto" else self.logprob_chunk
+
     def check(self) -> None:
         self.require(self.bf16 in (True, False, "auto"), "bf16", "true, false or auto")
         for name in (
@@ -324,9 +331,14 @@ class TrainConfig(Section):
             "mini_batches",
             "ppo_epochs",
             "micro_batch_size",
-            "logprob_chunk",
         ):
             self.require(getattr(self, name) >= 1, name, "an integer >= 1")
+        chunk = self.logprob_chunk
+        self.require(
+            chunk == "auto" or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1),
+            "logprob_chunk",
+            "auto or an integer >= 1",
+        )
         self.require(
             self.mini_batch_size is None or self.mini_batch_size >= 1, "mini_batch_size", "null or >= 1"
         )

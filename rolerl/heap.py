@@ -22,7 +22,9 @@ import functools
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks above it are still mapped (and faulted) one by one
+# glibc's largest mmap threshold: the largest block the kept heap serves; larger blocks are still mapped
+# for each allocation (and every page faulted in again)
+LARGEST_KEPT_BLOCK = 32 << 20
 _TOP_PAD = 256 << 20  # the heap grows by at least this much at a time
 
 _keeping = False
@@ -40,7 +42,7 @@ def keep_freed_memory() -> bool:
     _keeping = all(
         libc.mallopt(param, value)
         for param, value in (
-            (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
+            (_M_MMAP_THRESHOLD, LARGEST_KEPT_BLOCK),
             (_M_TRIM_THRESHOLD, -1),
             (_M_TOP_PAD, _TOP_PAD),
         )

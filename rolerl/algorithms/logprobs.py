@@ -22,6 +22,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from rolerl.heap import LARGEST_KEPT_BLOCK
+
+GPU_CHUNK = 512  # positions per chunk on an accelerator (its caching allocator reuses any block size)
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -31,6 +35,17 @@ class TokenLogprobs:
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)  # bf16/fp16/fp32 -> fp32; fp64 stays fp64
+
+
+def chunk_positions(vocab: int, device: torch.device | str) -> int:
+    """The default positions per chunk. On CPU, the most whose fp32 `(chunk, V)` block fits the largest
+    block the kept heap serves (`rolerl.heap`; 170 at V = 49,152, 55 at 151,936, never under 16): a larger
+    block is mapped for each allocation and its pages faulted in again, chunk after chunk (a 512-token GRPO
+    update on the default model: 0.34 GB more peak and 0.7 million more faults at 512 positions;
+    docs/BENCHMARKS.md, round thirteen). On accelerators 512."""
+    if torch.device(device).type != "cpu":
+        return GPU_CHUNK
+    return max(16, LARGEST_KEPT_BLOCK // (4 * vocab))
 
 
 def _block_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -152,11 +167,12 @@ def chunked_logprobs(
     *,
     bias: Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = 512,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
     ignore_index: int = -100,
 ) -> TokenLogprobs:
-    """`log_softmax((hidden @ weight.T + bias) / temperature)[targets]`, `chunk_size` positions at a time.
+    """`log_softmax((hidden @ weight.T + bias) / temperature)[targets]`, `chunk_size` positions at a time
+    (default `chunk_positions`).
 
     hidden `(B, T, d)`, weight `(V, d)` (the LM head, or the tied embedding), targets `(B, T)` long.
     Positions whose target equals `ignore_index` get log-prob 0 and no gradient. Values and gradients
@@ -164,6 +180,8 @@ def chunked_logprobs(
     rounding; peak extra memory is `O(chunk_size · V)` instead of `O(B · T · V)`. Entropy, if asked
     for, is computed from the same chunks and is differentiable too. Not twice differentiable.
     """
+    if chunk_size is None:
+        chunk_size = chunk_positions(weight.shape[0], hidden.device)
     if temperature <= 0 or chunk_size <= 0:
         raise ValueError(f"temperature and chunk_size must be > 0; got {temperature}, {chunk_size}")
     b, t, d = hidden.shape

@@ -21,6 +21,7 @@ from torch import nn
 from rolerl.algorithms import TokenLogprobs, chunked_logprobs
 from rolerl.config import Config, OptimConfig
 from rolerl.hardware import resolve_bf16, resolve_precision
+from rolerl.heap import LARGEST_KEPT_BLOCK
 from rolerl.models.adapters_io import load_adapter
 from rolerl.models.attention import (
     GROUPED_SDPA,
@@ -236,7 +237,7 @@ def token_logprobs(
     batch: TrainBatch,
     *,
     temperature: float,
-    chunk_size: int = 512,
+    chunk_size: int | None = None,
     routes: torch.Tensor | int | None = None,
     with_entropy: bool = False,
     share_prefix: bool = True,
@@ -274,24 +275,31 @@ def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return values.new_zeros(mask.shape).masked_scatter(mask, values)
 
 
-EAGER_MAX_LEN = 1024
+# The largest `(B, H, T, T)` block of fp32 attention scores the trainer's eager attention may build: the largest
+# block glibc serves from the heap kept by `rolerl.heap` (its mmap threshold). Larger blocks are mapped for
+# each allocation and every page faulted in again (a 512-token GRPO update, 8 rows x ~570 positions: ~13
+# million faults, 70 s against 31 s without; docs/BENCHMARKS.md, round thirteen), where SDPA builds none.
+EAGER_MAX_SCORES = LARGEST_KEPT_BLOCK
 
 
 @contextlib.contextmanager
 def _attention_for(model: nn.Module, ids: torch.Tensor):
-    """The trainer's attention kernel on CPU. Under bf16 autocast, eager attention for short batches: SDPA's
+    """The trainer's attention kernel on CPU. Under bf16 autocast, eager attention for small batches: SDPA's
     CPU flash kernel is slow in backward there (8 x 123 tokens on the default model, fwd+bwd, one thread:
     7.2 s with SDPA, 5.1-5.4 s eager; in fp32 the two are about equal, and eager's fp32 softmax would cost
-    fp64 its precision). Eager builds `(B, H, T, T)` scores per layer, so long batches keep SDPA; on
-    Llama-family models it runs as `lean_eager`, which recomputes them in backward instead of keeping them
-    (eager's autograd kept about a third of a micro-batch's activations in them). SDPA on CPU runs as
-    `grouped_sdpa`: grouped K/V heads are not repeated per query head (what autograd keeps for backward
-    shrinks by the K/V copies). GPUs and other implementations keep the model's own."""
+    fp64 its precision). Eager builds `(B, H, T, T)` scores per layer, so batches whose scores exceed
+    `EAGER_MAX_SCORES` keep SDPA (there the two kernels take about the same time, before eager's page
+    faults); on Llama-family models eager runs as `lean_eager`, which recomputes the scores in backward
+    instead of keeping them (eager's autograd kept about a third of a micro-batch's activations in them).
+    SDPA on CPU runs as `grouped_sdpa`: grouped K/V heads are not repeated per query head (what autograd
+    keeps for backward shrinks by the K/V copies). GPUs and other implementations keep the model's own."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if ids.device.type != "cpu" or config._attn_implementation != "sdpa":
         yield
         return
-    if torch.is_autocast_enabled("cpu") and ids.shape[1] <= EAGER_MAX_LEN:
+    rows, length = ids.shape
+    scores = rows * config.num_attention_heads * length * length * 4  # bytes of fp32 scores per layer
+    if torch.is_autocast_enabled("cpu") and scores <= EAGER_MAX_SCORES:
         lean = getattr(config, "model_type", None) in lean_ops.FAMILIES
         if lean:
             register_lean_eager()

@@ -377,7 +377,7 @@ def loss_settings(cfg: Config, policy: Policy) -> LossSettings:
         horizon=max(
             [cfg.rollout.max_new_tokens, *(c.max_new_tokens for c in roles.values() if c.max_new_tokens)]
         ),
-        chunk_size=cfg.train.logprob_chunk,
+        chunk_size=cfg.train.chunk_size,
         bf16=policy.bf16,
         share_prefix=cfg.train.share_prefix,
         isolation=cfg.adapters.isolation,

@@ -185,7 +185,7 @@ def sft_loss(
     model: torch.nn.Module,
     batch: TrainBatch,
     norm: AggNorm,
-    chunk_size: int,
+    chunk_size: int | None,
     bf16: bool,
     share_prefix: bool = True,
 ) -> torch.Tensor:
@@ -302,7 +302,7 @@ def _imitation_step(parts, rows: torch.Tensor, cfg: Config, bf16: bool) -> tuple
         b, size = batch.input_ids.shape[0], cfg.train.micro_batch_size
         for start in range(0, b, size):
             mb = select_rows(batch, range(start, min(start + size, b)))
-            part = sft_loss(model, mb, norm, cfg.train.logprob_chunk, bf16, cfg.train.share_prefix)
+            part = sft_loss(model, mb, norm, cfg.train.chunk_size, bf16, cfg.train.share_prefix)
             part.backward()
             loss += float(part.detach())
     return loss, float(norm.num_tokens)

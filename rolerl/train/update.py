@@ -47,7 +47,7 @@ class LossSettings:
     algorithm: AlgorithmConfig
     temperature: float  # the rollout temperature: trainer, KL and entropy use the same T (DESIGN)
     horizon: int  # seq-mean-token-sum-norm's constant: the max response length
-    chunk_size: int = 512
+    chunk_size: int | None = None  # positions per log-prob chunk; None: `chunk_positions`
     bf16: bool = False
     share_prefix: bool = True  # one forward per distinct prompt of a micro-batch (rolerl.train.prefix)
     # route: a token's loss reaches every adapter it depends on; strict: only the adapter of its position

@@ -136,3 +136,21 @@ def test_entropy_at_full_vocab_matches_fp64():
     torch.testing.assert_close(out.entropy.double(), ref, rtol=0, atol=16 * eps * float(terms))
     scale = float((hidden * logsm.exp() * (logsm.abs() + ref[..., None])).sum(1).max())
     torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=16 * eps * scale)
+
+
+def test_default_chunk_keeps_each_cpu_block_within_the_kept_heap():
+    """On CPU the default chunk is the most positions whose fp32 `(chunk, V)` logits fit in 32 MiB (2^25
+    bytes / (4 V), floored, at least 16); on a GPU 512. Worked by hand: 2^25 / 196,608 = 170.7 at the
+    default model's 49,152 tokens; 2^25 / 607,744 = 55.2 at Qwen's 151,936."""
+    from rolerl.algorithms.logprobs import chunk_positions
+
+    assert chunk_positions(49_152, "cpu") == 170
+    assert chunk_positions(151_936, "cpu") == 55
+    assert chunk_positions(10_000_000, "cpu") == 16
+    assert chunk_positions(50, "cpu") == 167_772
+    assert chunk_positions(151_936, "cuda") == 512
+    # the default chunking is a chunking like any other: the same values as one chunk per position
+    hidden, weight, bias, targets, _ = _inputs()
+    default = chunked_logprobs(hidden, weight, targets, bias=bias)
+    single = chunked_logprobs(hidden, weight, targets, bias=bias, chunk_size=1)
+    assert_close_ulps(default.logp, single.logp, ulps=8)

@@ -380,9 +380,33 @@ def test_cpu_bf16_training_forward_uses_eager_attention_with_sdpa_numerics(token
     exact = run(bf16=False)[mask]
     eager = run()[mask]
     assert model.config._attn_implementation == "sdpa", "restored after the forward"
-    monkeypatch.setattr(policy, "EAGER_MAX_LEN", 0)  # every batch is "long": SDPA stays
+    monkeypatch.setattr(policy, "EAGER_MAX_SCORES", 0)  # every batch is "large": SDPA stays
     sdpa = run()[mask]
     assert (eager != sdpa).any(), "the two kernels really ran"
     err_eager, err_sdpa = (eager - exact).abs().mean(), (sdpa - exact).abs().mean()
     print(f"mean |bf16 - fp32| log-prob: eager {err_eager:.4f}, sdpa {err_sdpa:.4f}")
     assert err_eager < 1.5 * err_sdpa + 1e-3
+
+
+def test_cpu_bf16_training_attention_is_eager_only_while_its_scores_fit_the_kept_heap(tiny):
+    """Eager attention builds a `(B, H, T, T)` block of fp32 scores per layer; past `EAGER_MAX_SCORES` (the
+    largest block the kept heap serves) the trainer keeps SDPA, at any row count; without autocast, SDPA."""
+    import rolerl.train.policy as policy
+    from rolerl.models.attention import GROUPED_SDPA, LEAN_EAGER
+    from rolerl.train import lean_ops
+
+    model, _ = tiny
+    eager = LEAN_EAGER if model.config.model_type in lean_ops.FAMILIES else "eager"
+
+    def chosen(rows: int, length: int, bf16: bool = True) -> str:
+        ids = torch.zeros(rows, length, dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), policy._attention_for(model, ids):
+            return model.config._attn_implementation
+
+    heads = model.config.num_attention_heads
+    for rows in (1, 8):
+        edge = math.isqrt(policy.EAGER_MAX_SCORES // (4 * heads * rows))  # the longest eager batch
+        assert chosen(rows, edge) == eager
+        assert chosen(rows, edge + 1) == GROUPED_SDPA
+        assert chosen(rows, 16, bf16=False) == GROUPED_SDPA
+    assert model.config._attn_implementation == "sdpa"  # restored
