@@ -9,7 +9,10 @@ update. `keep_freed_memory()` makes glibc keep what the process frees (the heap 
 blocks up to 32 MB, the largest threshold glibc takes, come from it instead of a mapping of their own) so
 that later allocations reuse those pages, as a GPU trainer's caching allocator keeps device memory; the
 process's resident size then stays near its peak between steps instead of returning to the rollout's.
-Measured: docs/BENCHMARKS.md (GRPO, "Round ten"). Off glibc (macOS, musl) both calls are no-ops.
+Blocks over 32 MB are mapped and faulted in again at every allocation whatever this module sets, so the
+trainer keeps its own blocks under `LARGEST_KEPT_BLOCK` (its attention kernel and log-prob chunks; before
+that, eager attention's scores made 12.9 million faults in one 512-token update). Measured:
+docs/BENCHMARKS.md (GRPO, "Round ten" and "Round thirteen"). Off glibc (macOS, musl) both calls are no-ops.
 """
 
 from __future__ import annotations

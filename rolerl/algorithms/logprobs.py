@@ -59,8 +59,9 @@ def _block_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: f
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
-        # hidden (N, d), weight (V, d), bias (V,) | None, targets (N,) long with ignore positions < 0
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, direct):
+        # hidden (N, d), weight (V, d), bias (V,) | None, targets (N,) long with ignore positions < 0.
+        # direct: only `hidden` needs a gradient, through logp alone (see `chunked_logprobs`)
         n_pos = hidden.shape[0]
         valid = targets >= 0  # (N,)
         safe = targets.clamp(min=0)  # (N,) gather index
@@ -68,6 +69,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logp = hidden.new_zeros(n_pos, dtype=acc)  # (N,)
         lse = hidden.new_empty(n_pos, dtype=acc)  # (N,) the only per-position state we keep
         ent = hidden.new_empty(n_pos if with_entropy else 0, dtype=acc)  # (N,) or (0,)
+        expect = hidden.new_empty((n_pos if direct else 0, hidden.shape[1]), dtype=acc)  # (N, d) E_p[W]
         for s in range(0, n_pos, chunk_size):
             e = min(s + chunk_size, n_pos)
             z = _block_logits(hidden[s:e], weight, bias, temperature)  # (n, V)
@@ -82,9 +84,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp[s:e] -= log_total
             if with_entropy:  # H = log Σ exp z - E_p[z] with z <= 0: a sum of two terms >= 0, no cancellation
                 ent[s:e] = log_total - _rowdot(p, z, hidden.device.type) / total
+            if direct:  # E_p[W]: the head rows averaged under the softmax, as backward's GEMM would form them
+                expect[s:e] = (p.to(weight.dtype) @ weight).to(acc).div_(total[:, None])
             del z, p
         logp = logp.masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, expect)
+        ctx.direct = direct
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         # Recompute under the forward's autocast state (bf16 training), or the recomputed logits would
         # not be the ones whose log-sum-exp we saved.
@@ -98,13 +103,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, expect = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         valid = targets >= 0
         safe = targets.clamp(min=0)
         if g_logp is None:
             g_logp = lse.new_zeros(lse.shape)
         g_logp = torch.where(valid, g_logp, torch.zeros_like(g_logp))  # (N,) ignored targets: no grad
+        if ctx.direct:  # d logp / d h = (W[target] - E_p[W]) / T: no logits again, no GEMM
+            own = weight.index_select(0, safe).to(expect.dtype)  # (N, d)
+            grad_h = own.sub_(expect).mul_((g_logp / ctx.temperature)[:, None]).to(hidden.dtype)
+            return grad_h, None, None, None, None, None, None, None
         grad_h = torch.empty_like(hidden) if need_h else None  # (N, d)
         acc = lse.dtype
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None  # (V, d)
@@ -114,7 +123,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             _chunked_backward(ctx, hidden, weight, bias, safe, lse, g_logp, g_ent, grad_h, grad_w, grad_b)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _chunked_backward(ctx, hidden, weight, bias, safe, lse, g_logp, g_ent, grad_h, grad_w, grad_b) -> None:
@@ -187,8 +196,18 @@ def chunked_logprobs(
     b, t, d = hidden.shape
     tgt = targets.reshape(-1).long()  # (N,)
     tgt = torch.where(tgt == ignore_index, torch.full_like(tgt, -1), tgt)
+    # A frozen head (LoRA training) with no entropy gradient: backward needs only E_p[W] per position,
+    # formed in the forward from the probabilities it already has (one GEMM per chunk); backward then runs
+    # no GEMM and no logits, where it would recompute each chunk's logits and multiply their gradient by W
+    direct = (
+        torch.is_grad_enabled()
+        and hidden.requires_grad
+        and not weight.requires_grad
+        and (bias is None or not bias.requires_grad)
+        and not with_entropy
+    )
     logp, ent = _ChunkedLogprobs.apply(
-        hidden.reshape(b * t, d), weight, bias, tgt, float(temperature), int(chunk_size), with_entropy
+        hidden.reshape(b * t, d), weight, bias, tgt, float(temperature), int(chunk_size), with_entropy, direct
     )
     return TokenLogprobs(logp=logp.view(b, t), entropy=ent.view(b, t) if with_entropy else None)
 

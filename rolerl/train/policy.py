@@ -277,8 +277,9 @@ def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # The largest `(B, H, T, T)` block of fp32 attention scores the trainer's eager attention may build: the largest
 # block glibc serves from the heap kept by `rolerl.heap` (its mmap threshold). Larger blocks are mapped for
-# each allocation and every page faulted in again (a 512-token GRPO update, 8 rows x ~570 positions: ~13
-# million faults, 70 s against 31 s without; docs/BENCHMARKS.md, round thirteen), where SDPA builds none.
+# each allocation and every page faulted in again: the first update of a 512-token GRPO run (8 rows x ~570
+# positions per micro-batch) took 69.7 s and 12.9 million page faults with eager, 44.4 s and 1.6 million
+# with SDPA, which builds no such block (docs/BENCHMARKS.md, GRPO round thirteen).
 EAGER_MAX_SCORES = LARGEST_KEPT_BLOCK
 
 

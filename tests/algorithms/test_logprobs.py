@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rolerl.algorithms import chunked_logprobs, entropy_from_logits, logprobs_from_logits
-from tests.tolerance import assert_close_ulps
+from tests.tolerance import assert_close_ulps, ulp_tol
 
 
 def _inputs(dtype=torch.float32, b=3, t=7, d=16, v=50, seed=0):
@@ -154,3 +154,49 @@ def test_default_chunk_keeps_each_cpu_block_within_the_kept_heap():
     default = chunked_logprobs(hidden, weight, targets, bias=bias)
     single = chunked_logprobs(hidden, weight, targets, bias=bias, chunk_size=1)
     assert_close_ulps(default.logp, single.logp, ulps=8)
+
+
+def _node(out):
+    """The `_ChunkedLogprobs` node behind `out.logp` (a view of its output)."""
+    return out.logp.grad_fn.next_functions[0][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_frozen_head_gradient_from_the_forward_equals_the_recomputed_one(dtype, temperature):
+    """A frozen head (LoRA) without entropy: backward forms `(W[target] - E_p[W]) / T` from the `E_p[W]` the
+    forward saved, instead of recomputing the logits. The hidden gradient equals the recomputing path's
+    (the same head trainable) and the naive reference's, ignored positions included (zero)."""
+    hidden, weight, bias, targets, up = _inputs(dtype)
+    frozen_w, frozen_b = weight.detach(), bias.detach()
+    direct = chunked_logprobs(hidden, frozen_w, targets, bias=frozen_b, temperature=temperature, chunk_size=4)
+    (g_direct,) = torch.autograd.grad((direct.logp * up).sum(), hidden)
+    recomputed = chunked_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, chunk_size=4)
+    g_recomputed, _ = torch.autograd.grad((recomputed.logp * up).sum(), (hidden, weight))
+    ref = logprobs_from_logits(hidden @ frozen_w.T + frozen_b, targets, temperature=temperature)
+    (g_ref,) = torch.autograd.grad((ref * up).sum(), hidden)
+    assert torch.equal(direct.logp, recomputed.logp)  # the forward's values do not change
+    assert _node(direct).direct and not _node(recomputed).direct  # each path ran
+    assert g_direct.dtype == dtype
+    # sums over V in another order (E_p[W] then the difference, against p·g then the GEMM): a few ulps
+    assert_close_ulps(g_direct, g_recomputed, 16)
+    assert_close_ulps(g_direct, g_ref, 16)
+    assert torch.equal(g_direct[0, 2], torch.zeros_like(g_direct[0, 2]))  # an ignored position
+
+
+def test_frozen_head_gradient_from_the_forward_under_bf16_autocast():
+    """Under bf16 autocast `E_p[W]` comes from a bf16 GEMM of the probabilities, as the recomputing path's
+    gradient comes from a bf16 GEMM of `p·g`: both within bf16 rounding of the fp32 reference."""
+    hidden, weight, _, targets, up = _inputs(d=64, v=300)
+    frozen = weight.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        direct = chunked_logprobs(hidden, frozen, targets, chunk_size=4)
+        recomputed = chunked_logprobs(hidden, weight, targets, chunk_size=4)
+    (g_direct,) = torch.autograd.grad((direct.logp * up).sum(), hidden)
+    g_recomputed, _ = torch.autograd.grad((recomputed.logp * up).sum(), (hidden, weight))
+    (g_ref,) = torch.autograd.grad((chunked_logprobs(hidden, weight, targets).logp * up).sum(), hidden)
+    assert g_direct.dtype == torch.float32 and _node(direct).direct
+    err_direct, err_recomputed = (g_direct - g_ref).abs().max(), (g_recomputed - g_ref).abs().max()
+    # hidden and W rounded to bf16 (2^-8 relative) dominate both; the direct path adds no more than that
+    assert err_direct <= 2 * err_recomputed + ulp_tol(g_ref, 4, torch.bfloat16)
+    assert_close_ulps(g_direct, g_ref, 32, torch.bfloat16)
