@@ -8,6 +8,10 @@ each block's logits instead of storing them (a custom autograd.Function: the rec
 per chunk, the softmax gradient is formed in place, the head's gradient accumulated with `addmm_`).
 What is saved for backward is one float per position (the log-sum-exp) plus references to `hidden`
 and the head weight, which are alive anyway. `benchmarks/chunked_logprobs.py` measures the peaks.
+With a frozen head (LoRA training) and no entropy gradient, the forward also forms `E_p[W]` per position
+(`(N, d)`, one GEMM per chunk from the probabilities it already has), and backward is
+`(W[target] - E_p[W]) / T` per position: no logits recomputed, no GEMM (of the head's three GEMMs per
+position, forward, recompute and input gradient, two remain).
 
 Alignment is the caller's job: position `p`'s hidden state predicts token `p + 1`, so pass
 `hidden[:, :-1]` with `input_ids[:, 1:]`. The head must be a plain linear (weight `(V, d)`, optional
@@ -41,8 +45,8 @@ def chunk_positions(vocab: int, device: torch.device | str) -> int:
     """The default positions per chunk. On CPU, the most whose fp32 `(chunk, V)` block fits the largest
     block the kept heap serves (`rolerl.heap`; 170 at V = 49,152, 55 at 151,936, never under 16): a larger
     block is mapped for each allocation and its pages faulted in again, chunk after chunk (a 512-token GRPO
-    update on the default model: 0.34 GB more peak and 0.7 million more faults at 512 positions;
-    docs/BENCHMARKS.md, round thirteen). On accelerators 512."""
+    update on the default model: 0.34 GB more peak and 0.7 million more faults at 512 positions than at
+    128; docs/BENCHMARKS.md, GRPO round thirteen). On accelerators 512."""
     if torch.device(device).type != "cpu":
         return GPU_CHUNK
     return max(16, LARGEST_KEPT_BLOCK // (4 * vocab))
