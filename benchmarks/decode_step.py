@@ -6,11 +6,12 @@ forward with the engine's attention and packed weights, alternating; then the GE
 a step): every linear packed on its own, and packed in the lean decoder's groups (q/k/v and gate/up fused).
 
 `attention`: the decode attention alone on the engine's layout (batch x 3 KV heads x 3 queries, head dim
-64, a strided view of a longer cache, an additive mask): SDPA vs the two matmuls, per number of keys.
+64, a strided view of a longer cache, an additive mask): SDPA vs the two matmuls (fp32) vs the native
+kernel (`rolerl.rollout.native`, reading the cache in place), per number of keys.
 
     python benchmarks/decode_step.py step --batch 32 --kv 100
-    python benchmarks/decode_step.py attention --batch 32
-Figures and the CPU they ran on: docs/BENCHMARKS.md ("Round three").
+    python benchmarks/decode_step.py attention --batch 32 [--dtype bfloat16]
+Figures and the CPU they ran on: docs/BENCHMARKS.md ("Round three", "Round fourteen").
 """
 
 from __future__ import annotations
@@ -41,20 +42,32 @@ def _sdpa(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def attention(batch: int, runs: int) -> None:
+def attention(batch: int, runs: int, dtype: torch.dtype) -> None:
     from rolerl.rollout.kv import _decode_attention
+    from rolerl.rollout.native import kernel
 
+    native = kernel()
     kv_heads, groups, d = 3, 3, 64
-    for kv in (48, 128, 192, 512, 1088):
-        cache_k, cache_v = torch.randn(2, batch, kv_heads, kv + 64, d).unbind(0)
+    print(describe())
+    print(f"decode attention, batch {batch}, {kv_heads} KV heads x {groups} queries, head dim {d}, {dtype}:")
+    for kv in (48, 128, 192, 512, 1088, 2048):
+        cache_k, cache_v = torch.randn(2, batch, kv_heads, kv + 64, d).to(dtype).unbind(0)
         k, v = cache_k[:, :, :kv], cache_v[:, :, :kv]
-        q = torch.randn(batch, kv_heads, groups, d)
-        mask = torch.zeros(batch, 1, 1, kv)
-        mask[..., kv - 5 :] = float("-inf")
+        q = torch.randn(batch, kv_heads, groups, d).to(dtype)
+        positions = torch.full((batch, 1), kv - 1)
+        positions[::2] -= 5  # half the rows shorter, as the mask below says
+        mask = torch.zeros(batch, 1, 1, kv, dtype=dtype)
+        mask[::2, ..., kv - 5 :] = float("-inf")
         args = (q, k, v, mask, d**-0.5)
-        sdpa = median_ms(functools.partial(_sdpa, *args), runs)
-        mm = median_ms(functools.partial(_decode_attention, *args), runs)
-        print(f"{kv:5d} keys: SDPA {1e3 * sdpa:7.0f} us   matmuls {1e3 * mm:7.0f} us   ({sdpa / mm:.2f}x)")
+        times = {"SDPA": median_ms(functools.partial(_sdpa, *args), runs)}
+        if dtype == torch.float32:
+            times["matmuls"] = median_ms(functools.partial(_decode_attention, *args), runs)
+        if native is not None:
+            call = (q, cache_k, cache_v, torch.arange(batch), positions, d**-0.5)
+            times["native"] = median_ms(functools.partial(native.decode_attention, *call), runs)
+        line = "   ".join(f"{name} {1e3 * ms:7.0f} us" for name, ms in times.items())
+        ratio = f"   (native {times['SDPA'] / times['native']:.2f}x SDPA)" if "native" in times else ""
+        print(f"{kv:5d} keys: {line}{ratio}")
 
 
 def step(batch: int, kv: int, runs: int) -> None:
@@ -120,11 +133,12 @@ def main() -> None:
     p.add_argument("--kv", type=int, default=100, help="cached positions per row (step)")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="attention")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.what == "attention":
-        attention(args.batch, args.runs)
+        attention(args.batch, args.runs, getattr(torch, args.dtype))
     else:
         step(args.batch, args.kv, args.runs)
 

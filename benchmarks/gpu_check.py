@@ -148,7 +148,11 @@ def check_logprobs(directory: Path, dtype: str, device: str, new: int) -> dict:
         trainer = token_logprobs(model, batch, temperature=1.0).logp.float()  # (B, T-1)
     mask = batch.loss_mask[:, :-1].bool()
     delta = (trainer - batch.old_logp[:, :-1].to(trainer))[mask].abs()
-    limit = 1e-3 if dtype == "float32" else 0.1  # bf16: two kernels, ~8 mantissa bits
+    # bf16: two kernels, ~8 mantissa bits: a few ulps of a logit of ~10 (as tests/rollout/test_engine.py's
+    # bf16 bound). On CPU the engine's native decode attention keeps the probabilities in fp32 where the
+    # trainer's SDPA rounds them to bf16: 0.10-0.13 at most over the smoke shape's 256 tokens (0.06-0.12 with
+    # SDPA on both sides), mean 0.004-0.005 (0.001-0.002).
+    limit = 1e-3 if dtype == "float32" else 0.25
     out = {"tokens": int(mask.sum()), "max_abs": float(delta.max()), "mean_abs": float(delta.mean())}
     return out | {"tolerance_max_abs": limit, "pass": out["max_abs"] < limit}
 

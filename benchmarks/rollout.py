@@ -21,7 +21,8 @@ computing finished rows until the last one ends; the engine drops them). One tim
 16-token warm-up (`--long-runs`), tokens/s and peak RSS per side.
 
 The rolerl side owns its model (generation only, as in `rolerl eval`), so its packed oneDNN weights
-replace the plain ones (`Engine(owns_model=True)`); `--kernels torch` measures the engine on `F.linear`.
+replace the plain ones (`Engine(owns_model=True)`); `--kernels torch` measures the engine on `F.linear`,
+`--attention torch` its decode attention in SDPA instead of the native kernel.
 
     python benchmarks/rollout.py --json                                   # cases 1-2 (~20 min on 2 cores)
     python benchmarks/rollout.py --dtypes bfloat16 --batches 32 --runs 3  # one cell
@@ -93,7 +94,15 @@ def decode_flops(model, batch: int, prompt_len: float, new: int) -> float:
 
 
 def child(
-    side: str, row: str, dtype: str, batch: int, new: int, runs: int, eos: bool = False, kernels: str = "auto"
+    side: str,
+    row: str,
+    dtype: str,
+    batch: int,
+    new: int,
+    runs: int,
+    eos: bool = False,
+    kernels: str = "auto",
+    attention: str = "auto",
 ) -> dict:
     """One side of one cell. `eos`: stop rows at EOS (variable lengths, as RL produces) and count the tokens
     up to and including each row's EOS; else every row generates exactly `new` tokens. The warm-up
@@ -146,7 +155,9 @@ def child(
             route_ofs = [dict.fromkeys(kinds, 0)] * 2
         # generation only: nothing else runs this model, so packed kernels replace its plain weights; the
         # policy row's model is a trainer's (kept, and its adapter can be merged into the packed copy)
-        engine = Engine(model, tok, max_batch=batch, kernels=kernels, owns_model=row != "policy")
+        engine = Engine(
+            model, tok, max_batch=batch, kernels=kernels, attention=attention, owns_model=row != "policy"
+        )
 
         def once(n: int) -> int:
             reqs = [
@@ -262,6 +273,9 @@ def main() -> None:
     p.add_argument("--long-runs", type=int, default=1, help="timed runs per side in case 3")
     p.add_argument("--kernels", default="auto", choices=["auto", "onednn", "torch"], help="rolerl's linears")
     p.add_argument(
+        "--attention", default="auto", choices=["auto", "native", "torch"], help="rolerl's decode attention"
+    )
+    p.add_argument(
         "--skip-tools", action="store_true", help="skip case 2 (same as leaving it out of --cases)"
     )
     p.add_argument("--json", action="store_true")
@@ -271,7 +285,9 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         side, row, dtype, batch = args.child
-        res = child(side, row, dtype, int(batch), args.new_tokens, args.runs, args.eos, args.kernels)
+        res = child(
+            side, row, dtype, int(batch), args.new_tokens, args.runs, args.eos, args.kernels, args.attention
+        )
         print(json.dumps(res))
         return
     if args.tool_child:
@@ -283,12 +299,13 @@ def main() -> None:
         )
         return
 
-    common = ["--runs", str(args.runs), "--kernels", args.kernels]
+    common = ["--runs", str(args.runs), "--kernels", args.kernels, "--attention", args.attention]
     summary: dict = {
         "new_tokens": args.new_tokens,
         "runs": args.runs,
         "rounds": args.rounds,
         "kernels": args.kernels,
+        "attention": args.attention,
         "threads": int(os.environ.get("BENCH_THREADS", "2")),
         "machine": describe(),  # every figure says which CPU it came from
     }
@@ -346,7 +363,7 @@ def main() -> None:
         }
         print(f"{dtype}/tools/b32", summary[f"{dtype}/tools/b32"], flush=True)
     if "long" in args.cases:
-        long = ["--runs", str(args.long_runs), "--kernels", args.kernels]
+        long = ["--runs", str(args.long_runs), "--kernels", args.kernels, "--attention", args.attention]
         for dtype in args.dtypes:
             for new in (512, 1024):
                 cell(f"{dtype}/long{new}/b32", "base", dtype, 32, [*long, "--new-tokens", str(new)])

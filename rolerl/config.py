@@ -177,6 +177,10 @@ class RolloutConfig(Section):
     # at 8-64 rows, one more copy of the weights in memory unless the engine has its own dtype copy); torch =
     # F.linear; auto = onednn where supported (CPU; fp32, or bf16 where native). docs/BENCHMARKS.md
     kernels: Literal["auto", "onednn", "torch"] = "auto"
+    # the engine's decode attention on CPU: native = a C kernel built on first use with the machine's C
+    # compiler (cc), reading the cache in place, in fp32; torch = SDPA (fp32: two matmuls); auto = native
+    # where it builds with AVX2 or AVX-512, else torch. docs/ROLLOUT.md
+    attention: Literal["auto", "native", "torch"] = "auto"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
     # in this process) and served_model (its base model's name; default: the first it lists)

@@ -108,6 +108,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         tools=tools,
         source=policy.model if sampling else None,
         kernels=cfg.rollout.kernels,
+        attention=cfg.rollout.attention,
     )
     held_out = {
         "format": fmt.examples("test", settings.eval_format, settings.seed),

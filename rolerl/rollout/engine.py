@@ -32,6 +32,7 @@ from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout
+from rolerl.rollout.native import resolve_attention
 from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import sample
@@ -75,6 +76,7 @@ class Engine:
         sampler=sample,
         source=None,
         kernels: str = "auto",
+        attention: str = "auto",
         owns_model: bool | None = None,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
@@ -83,7 +85,9 @@ class Engine:
         real engine. `source`: the trainer's model when `model` is a copy in another dtype (`rollout_copy`):
         `sync()` copies its adapters in. `kernels`: `onednn` runs the linear layers on weights packed once
         for oneDNN (`rolerl.rollout.packed`; CPU only), `torch` on `F.linear`, `auto` = `onednn` where
-        supported. `owns_model` (default: True with a `source`): nothing but this engine runs `model`, so
+        supported. `attention`: `native` runs decode attention in a C kernel built with the machine's
+        compiler (`rolerl.rollout.native`; CPU only), `torch` in SDPA, `auto` = `native` where it builds.
+        `owns_model` (default: True with a `source`): nothing but this engine runs `model`, so
         with packed kernels its plain linear weights are freed (the packed copies replace them)."""
         self.model, self.tokenizer = model, tokenizer
         self.source = source
@@ -98,6 +102,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kernels = resolve_kernels(kernels, self.device, self.dtype)
+        self.native = resolve_attention(attention, self.device)
         # on packed weights, the engine's own forward over Llama-family decoders (rolerl.rollout.decoder);
         # HF's forward with the engine's attention for any other model, or on `F.linear`
         self.lean = (
@@ -278,6 +283,7 @@ class Engine:
             wanted = len(self.active) + len(self.waiting)
             slots = min(self.max_batch, max(wanted, 2 * old.slots if carry else 1))
         self.cache = KVCache(self.model.config, slots, capacity, self.dtype, self.device)
+        self.cache.native = self.native
         if carry:
             self.cache.take_rows(old, len(self.active))
 

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 
 from rolerl.heap import trim_heap
 from rolerl.models.attention import attention_implementation
+from rolerl.rollout.native import NativeKernel
 
 ATTN_NAME = "rolerl_engine"
 
@@ -46,6 +47,7 @@ class KVCache:
         self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.layers)]
         self.zeroed = 0  # columns [0, zeroed) of every slot hold zeros or written keys/values
+        self.native: NativeKernel | None = None  # the decode attention kernel (rollout.attention)
 
     def reach(self, columns: int) -> None:
         """Make columns `[0, columns)` safe to read: a forward reads every slot up to its longest row, and
@@ -231,21 +233,27 @@ def attend(batch: Batch, layer: int, query, key, value, scaling: float | None = 
     rows = batch.slots[:, None]  # (B, 1) broadcast against positions (B, T)
     k_cache[rows, :, batch.writes] = key.transpose(1, 2).to(k_cache.dtype)  # (B, T, Hkv, D)
     v_cache[rows, :, batch.writes] = value.transpose(1, 2).to(v_cache.dtype)
-    n = query.shape[0]
+    b, heads, t, d = query.shape
+    groups = heads // k_cache.shape[1]
+    native = batch.cache.native
+    if t == 1 and native is not None:
+        # Decode: the query heads sharing a KV head become that head's "query positions" (HF's repeat_kv
+        # maps query head h to KV head h // groups), so grouped-query attention needs no copy of K/V.
+        q = query.reshape(b, k_cache.shape[1], groups, d)  # (B, Hkv, G, D)
+        if native.supports(q, k_cache):  # reads the cache in place: no view, gather or mask
+            scale = d**-0.5 if scaling is None else scaling
+            out = native.decode_attention(q, k_cache, v_cache, batch.slots, batch.positions, scale)
+            return out.reshape(b, 1, heads, d)
     if batch.contiguous:
-        k, v = k_cache[:n, :, : batch.kv_len], v_cache[:n, :, : batch.kv_len]
+        k, v = k_cache[:b, :, : batch.kv_len], v_cache[:b, :, : batch.kv_len]
     else:
         k = k_cache[:, :, : batch.kv_len].index_select(0, batch.slots)  # copies only what is read
         v = v_cache[:, :, : batch.kv_len].index_select(0, batch.slots)
     mask = batch.mask
     if k.dtype != query.dtype:  # a no-op `.to` still costs a dispatch, x3 per layer per step
         k, v, mask = k.to(query.dtype), v.to(query.dtype), mask.to(query.dtype)
-    b, heads, t, d = query.shape
-    groups = heads // k.shape[1]
     if t == 1:
-        # Decode: the query heads sharing a KV head become that head's "query positions" (HF's repeat_kv
-        # maps query head h to KV head h // groups), so grouped-query attention needs no copy of K/V.
-        q = query.reshape(b, k.shape[1], groups, d)  # (B, Hkv, G, D)
+        q = query.reshape(b, k.shape[1], groups, d)  # (B, Hkv, G, D), as above
         if q.dtype == torch.float32:
             out = _decode_attention(q, k, v, mask, d**-0.5 if scaling is None else scaling)
         else:

@@ -529,7 +529,7 @@ def build_engines(
             model, source = rollout_copy(m.model, dtype), m.model
         engines[name] = Engine(model, m.tokenizer, max_batch=max_batch, max_len=max_len,
                                tools=build_tools(names, **kwargs), source=source,
-                               kernels=cfg.rollout.kernels)  # fmt: skip
+                               kernels=cfg.rollout.kernels, attention=cfg.rollout.attention)  # fmt: skip
     return engines
 
 
