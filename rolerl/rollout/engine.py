@@ -31,7 +31,7 @@ from rolerl.heap import trim_heap
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
-from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout
+from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_batch, make_layout
 from rolerl.rollout.native import resolve_attention
 from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
@@ -103,6 +103,14 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.kernels = resolve_kernels(kernels, self.device, self.dtype)
         self.native = resolve_attention(attention, self.device)
+        if self.native is not None:
+            _, heads, kv_heads, head_dim = attention_shape(model.config)
+            why = self.native.covers(self.dtype, head_dim, heads // kv_heads)
+            if why is not None and attention == "native":
+                raise ValueError(f"rollout.attention 'native' does not cover this model's {why}; use 'auto'")
+            if why is not None:
+                log.info("native decode attention does not cover this model's %s; the engine uses SDPA", why)
+                self.native = None
         # on packed weights, the engine's own forward over Llama-family decoders (rolerl.rollout.decoder);
         # HF's forward with the engine's attention for any other model, or on `F.linear`
         self.lean = (

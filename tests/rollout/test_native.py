@@ -1,10 +1,11 @@
 """The native decode attention (`rolerl.rollout.native`): softmax(scale q k^T) v of each row over its own
 cached keys equals a float64 reference built from the same inputs, for fp32 and bf16 caches, the head dims
-the kernel specialises (64, 128) and one it does not (48, 16), 1 to 16 query heads per KV head, rows in any
+the kernel specialises (64, 128) and two it does not (48, 16), 1 to 16 query heads per KV head, rows in any
 cache slot, lengths from one key to several blocks; no read past a row's keys (NaN there stays out), scores
 that would overflow a naive exp, lengths and slots outside the cache; the same numbers on 1 and 2 threads;
 in bf16 at least as close to the reference as SDPA. The engine with it gives SDPA's log-probs. Without a
-compiler the engine keeps SDPA and says why; a build is cached and written atomically."""
+compiler, or for a model it does not cover, the engine keeps SDPA and says why; a build is cached and
+written atomically."""
 
 from __future__ import annotations
 
@@ -220,3 +221,24 @@ def test_a_build_is_cached_per_machine_and_reused(fresh_build, monkeypatch):
     original = native.subprocess.run
     monkeypatch.setattr(native.subprocess, "run", no_compile)
     assert native.kernel().path == built.path
+
+
+@needs_kernel
+def test_a_model_the_kernel_does_not_cover_keeps_sdpa_and_native_says_why(tokenizer, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from rolerl.models.tiny import tiny_config
+
+    config = tiny_config("llama", vocab_size=len(tokenizer), num_attention_heads=8, head_dim=8)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with caplog.at_level(logging.INFO, logger="rolerl.rollout.engine"):
+        engine = Engine(model, tokenizer, max_batch=2)
+    assert engine.native is None and "head dim 8" in caplog.text
+    req = GenerationRequest(prompt_ids(tokenizer, "Hi"), SamplingParams(greedy=True, max_new_tokens=4))
+    assert len(engine.generate([req])[0].completion_ids) == 4
+    with pytest.raises(ValueError, match="does not cover this model's head dim 8"):
+        Engine(model, tokenizer, max_batch=2, attention="native")
+    assert (
+        KERNEL.covers(torch.float16, 64, 3) is not None and KERNEL.covers(torch.bfloat16, 64, 17) is not None
+    )
+    assert KERNEL.covers(torch.bfloat16, 64, 16) is None and KERNEL.covers(torch.float32, 256, 1) is None

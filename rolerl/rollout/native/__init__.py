@@ -57,6 +57,16 @@ class NativeKernel:
         self.path, self._fn = path, fn
         self.max_head_dim, self.max_groups, self.isa = limit(0), limit(1), limit(2)
 
+    def covers(self, dtype: torch.dtype, head_dim: int, groups: int) -> str | None:
+        """None where the kernel runs a model of this dtype and attention shape, else why not."""
+        if dtype not in DTYPES:
+            return f"dtype {dtype} (float32 or bfloat16 only)"
+        if head_dim % 16 or head_dim > self.max_head_dim:
+            return f"head dim {head_dim} (a multiple of 16 up to {self.max_head_dim})"
+        if groups > self.max_groups:
+            return f"{groups} query heads per KV head (at most {self.max_groups})"
+        return None
+
     def supports(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
         """Whether `q` `(B, Hkv, G, D)` over a layer's cache `(slots, Hkv, capacity, D)` runs here."""
         return (
