@@ -72,12 +72,9 @@ class NativeKernel:
         return (
             q.dim() == cache.dim() == 4
             and q.device.type == cache.device.type == "cpu"
-            and q.dtype in DTYPES
             and cache.dtype == q.dtype
-            and q.shape[-1] <= self.max_head_dim
-            and q.shape[-1] % 16 == 0
-            and q.shape[2] <= self.max_groups
             and cache.stride(-1) == 1
+            and self.covers(q.dtype, q.shape[-1], q.shape[2]) is None
         )
 
     def decode_attention(
