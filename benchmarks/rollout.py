@@ -22,7 +22,8 @@ computing finished rows until the last one ends; the engine drops them). One tim
 
 The rolerl side owns its model (generation only, as in `rolerl eval`), so its packed oneDNN weights
 replace the plain ones (`Engine(owns_model=True)`); `--kernels torch` measures the engine on `F.linear`,
-`--attention torch` its decode attention in SDPA instead of the native kernel.
+`--attention torch` its decode attention in SDPA instead of the native kernel, `--adapter-kernel torch` the
+routed adapters of its decode steps in torch's masked GEMMs instead of the native kernel.
 
     python benchmarks/rollout.py --json                                   # cases 1-2 (~20 min on 2 cores)
     python benchmarks/rollout.py --dtypes bfloat16 --batches 32 --runs 3  # one cell
@@ -103,6 +104,7 @@ def child(
     eos: bool = False,
     kernels: str = "auto",
     attention: str = "auto",
+    adapter_kernel: str = "auto",
 ) -> dict:
     """One side of one cell. `eos`: stop rows at EOS (variable lengths, as RL produces) and count the tokens
     up to and including each row's EOS; else every row generates exactly `new` tokens. The warm-up
@@ -156,7 +158,13 @@ def child(
         # generation only: nothing else runs this model, so packed kernels replace its plain weights; the
         # policy row's model is a trainer's (kept, and its adapter can be merged into the packed copy)
         engine = Engine(
-            model, tok, max_batch=batch, kernels=kernels, attention=attention, owns_model=row != "policy"
+            model,
+            tok,
+            max_batch=batch,
+            kernels=kernels,
+            attention=attention,
+            adapter_kernel=adapter_kernel,
+            owns_model=row != "policy",
         )
 
         def once(n: int) -> int:
@@ -276,6 +284,12 @@ def main() -> None:
         "--attention", default="auto", choices=["auto", "native", "torch"], help="rolerl's decode attention"
     )
     p.add_argument(
+        "--adapter-kernel",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="rolerl's routed adapters at decode steps",
+    )
+    p.add_argument(
         "--skip-tools", action="store_true", help="skip case 2 (same as leaving it out of --cases)"
     )
     p.add_argument("--json", action="store_true")
@@ -286,8 +300,9 @@ def main() -> None:
     if args.child:
         side, row, dtype, batch = args.child
         res = child(
-            side, row, dtype, int(batch), args.new_tokens, args.runs, args.eos, args.kernels, args.attention
-        )
+            side, row, dtype, int(batch), args.new_tokens, args.runs, args.eos, args.kernels, args.attention,
+            args.adapter_kernel,
+        )  # fmt: skip
         print(json.dumps(res))
         return
     if args.tool_child:
@@ -299,13 +314,15 @@ def main() -> None:
         )
         return
 
-    common = ["--runs", str(args.runs), "--kernels", args.kernels, "--attention", args.attention]
+    native = ["--attention", args.attention, "--adapter-kernel", args.adapter_kernel]
+    common = ["--runs", str(args.runs), "--kernels", args.kernels, *native]
     summary: dict = {
         "new_tokens": args.new_tokens,
         "runs": args.runs,
         "rounds": args.rounds,
         "kernels": args.kernels,
         "attention": args.attention,
+        "adapter_kernel": args.adapter_kernel,
         "threads": int(os.environ.get("BENCH_THREADS", "2")),
         "machine": describe(),  # every figure says which CPU it came from
     }
@@ -363,7 +380,7 @@ def main() -> None:
         }
         print(f"{dtype}/tools/b32", summary[f"{dtype}/tools/b32"], flush=True)
     if "long" in args.cases:
-        long = ["--runs", str(args.long_runs), "--kernels", args.kernels, "--attention", args.attention]
+        long = ["--runs", str(args.long_runs), "--kernels", args.kernels, *native]
         for dtype in args.dtypes:
             for new in (512, 1024):
                 cell(f"{dtype}/long{new}/b32", "base", dtype, 32, [*long, "--new-tokens", str(new)])

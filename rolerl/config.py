@@ -181,6 +181,10 @@ class RolloutConfig(Section):
     # compiler (cc), reading the cache in place, in fp32; torch = SDPA (fp32: two matmuls); auto = native
     # where it builds with AVX2 or AVX-512, else torch. docs/ROLLOUT.md
     attention: Literal["auto", "native", "torch"] = "auto"
+    # the routed adapters of the engine's decode steps on CPU (its own decoder, up to 128 tokens per forward):
+    # native = each row through its own adapter's matrices in a C kernel built with the attention's; torch =
+    # masked GEMMs over every adapter's ranks; auto = native where it builds. docs/ROLLOUT.md
+    adapter_kernel: Literal["auto", "native", "torch"] = "auto"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
     # in this process) and served_model (its base model's name; default: the first it lists)

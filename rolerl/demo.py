@@ -109,6 +109,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         source=policy.model if sampling else None,
         kernels=cfg.rollout.kernels,
         attention=cfg.rollout.attention,
+        adapter_kernel=cfg.rollout.adapter_kernel,
     )
     held_out = {
         "format": fmt.examples("test", settings.eval_format, settings.seed),

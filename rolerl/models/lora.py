@@ -148,6 +148,28 @@ class RouteState:
             self._masks[key] = (self.route.reshape(-1) == index).nonzero().squeeze(1).to(device)
         return self._masks[key]
 
+    def terms(self, rows: int, merged: int | None = None) -> tuple[torch.Tensor, ...] | None:
+        """Per row of a forward (one token each) the adapters to add and their factors, for the native
+        kernel: `(rows, 2)` route indices (-1 = none), `(rows, 2)` fp32 factors and the rows ordered by
+        terms (rows with the same adapters then share a pass over its matrices). A token adds its own
+        adapter with its scaling; where adapter `merged` is in the base weights, a token routed elsewhere also
+        adds it with -scaling and a token routed to it adds nothing. None when no token adds anything."""
+        key = ("terms", rows, merged)
+        if key not in self._masks:
+            route = self.route
+            own = route.reshape(-1).cpu() if isinstance(route, torch.Tensor) else torch.full((rows,), route)
+            if merged is None:
+                terms = torch.stack([own, torch.full_like(own, -1)], 1)
+            else:  # the merged weights serve its own tokens; every other token takes it out again
+                served = own == merged
+                terms = torch.stack([torch.where(served, -1, own), torch.where(served, -1, merged)], 1)
+            scalings = torch.tensor([s.scaling for s in self.adapters.values()] + [0.0])  # [-1]: none
+            factors = scalings[terms]
+            factors[:, 1].neg_()
+            order = torch.argsort((terms[:, 0] + 1) * (len(self.adapters) + 1) + terms[:, 1] + 1, stable=True)
+            self._masks[key] = (terms.contiguous(), factors, order) if bool((terms >= 0).any()) else None
+        return self._masks[key]
+
     def mask(
         self,
         layout: tuple[int, ...],
@@ -386,12 +408,23 @@ class FusedAdapters:
         self.members = list(members)  # (layer, first column, end column) in the fused output
         self.width = width  # the fused output's columns
         self._cache: tuple | None = None
+        self._tables: list | None = None  # [adapters carried, params, versions, the kernel's tables]
 
-    def add_(self, x: torch.Tensor, y: torch.Tensor, merged: int | None = None) -> torch.Tensor:
-        """Add the routed adapters' output for input `x` to the fused output `y` (..., width) in place."""
+    def add_(self, x: torch.Tensor, y: torch.Tensor, merged: int | None = None, native=None) -> torch.Tensor:
+        """Add the routed adapters' output for input `x` to the fused output `y` (..., width) in place.
+        `native`: this forward's step of a native kernel (`rolerl.rollout.native.NativeStep`, made for
+        `merged`), which adds them row by row, each row through its own adapter only; torch's GEMMs where
+        it does not apply (an adapter with dropout, an input of other rows or layout than the step's)."""
         if not self.members:
             return y
         state = self.members[0][0].state
+        if native is not None and native.fits(x, y):
+            if native.terms is None:
+                return y  # no row adds or takes out anything
+            tables = self._native_tables(native.kernel, state)
+            if tables is not None:
+                native.add_(x, y, tables)
+                return y
         plans = []
         for m, lo, hi in self.members:
             plan = m.state.plan(m._carried)
@@ -425,6 +458,31 @@ class FusedAdapters:
             )  # fmt: skip
             h = h * (mask.view(*h.shape) if mask.shape[0] == h[..., 0].numel() else mask[0])
         return y.add_(F.linear(h, b).to(y.dtype))
+
+    def release(self) -> None:
+        """Free the cached stacked weights and the native kernel's tables (built again when next used)."""
+        self._cache = self._tables = None
+
+    def _native_tables(self, kernel, state: RouteState):
+        """The kernel's tables of every adapter the members carry (slot = route index), in fp32, rebuilt
+        when a weight or the adapters change; None where one of them has dropout."""
+        carried = (len(state.adapters), *(m._carried for m, _, _ in self.members))  # slots: route indices
+        cache = self._tables
+        if cache is None or cache[0] != carried:
+            if any(state.adapters[n].dropout > 0 for m, _, _ in self.members for n in m._carried):
+                return None
+            params = [p for m, _, _ in self.members for n in m._carried for p in (m.lora_A[n], m.lora_B[n])]
+            cache = self._tables = [carried, params, None, None]
+        versions = [(p._version, p.data_ptr()) for p in cache[1]]
+        if cache[2] != versions:
+            index = {name: i for i, name in enumerate(state.names)}
+            layers = [
+                (lo, hi, {index[n]: (m.lora_A[n], m.lora_B[n]) for n in m._carried})
+                for m, lo, hi in self.members
+            ]
+            in_features = self.members[0][0].in_features
+            cache[2:] = [versions, kernel.tables(layers, len(index), in_features, self.width)]
+        return cache[3]
 
     def _stacked(self, plans, dtype: torch.dtype, scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`A (R, in)` and the block matrix `B (width, R)`; `scaled`: the one adapter's scaling in B."""

@@ -23,9 +23,12 @@ from torch import nn
 
 from rolerl.models.lora import FusedAdapters, RoutedLoRALinear
 from rolerl.rollout.kv import Batch, Layout, attend_layout, attention_shape
+from rolerl.rollout.native import NativeStep
 from rolerl.rollout.packed import PackedLinears, packed_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# the most rows (tokens) of a forward whose routed adapters go through the native kernel (`_native_step`)
+NATIVE_ROWS = 128
 _PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -89,6 +92,7 @@ class LeanDecoder:
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         self.model = model
+        self.adapter_kernel = None  # a native kernel for the routed adapters of decode steps (the engine's)
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         _, self.q_heads, self.kv_heads, self.head_dim = attention_shape(model.config)
@@ -145,6 +149,7 @@ class LeanDecoder:
         b, t = ids.shape
         hq, hkv, d = self.q_heads, self.kv_heads, self.head_dim
         x = self.embed(ids)  # (B, T, hidden)
+        native = self._native_step(b * t, x.dtype, merged)
         cos, sin = self.rotary(x, layout.positions)  # (B, T, D)
         # HF's rotate_half(x) * sin == x.roll(D/2) * [-sin_lo, sin_hi]: the same products, one op fewer
         half = d // 2
@@ -156,7 +161,7 @@ class LeanDecoder:
         for layer in self.layers:
             qkv_w, o_w, gu_w, down_w = weights[4 * layer.index : 4 * layer.index + 4]
             h = layer.norm1(x)
-            qkv = layer.qkv_adapters.add_(h, packed_linear(h, *qkv_w), merged)  # (B, T, (hq + 2 hkv) D)
+            qkv = layer.qkv_adapters.add_(h, packed_linear(h, *qkv_w), merged, native)
             qkv = qkv.view(b, t, hq + 2 * hkv, d)
             if layer.q_norm is not None:
                 q, k = rope(layer.q_norm(qkv[:, :, :hq])), rope(layer.k_norm(qkv[:, :, hq : hq + hkv]))
@@ -164,12 +169,12 @@ class LeanDecoder:
                 qk = rope(qkv[:, :, : hq + hkv])
                 q, k = qk[:, :, :hq], qk[:, :, hq:]
             h = attend_layout(layout, layer.index, q, k, qkv[:, :, hq + hkv :], layer.scaling)  # (B, T, H D)
-            x = x + layer.o_adapter.add_(h, packed_linear(h, *o_w), merged)  # HF: residual + output
+            x = x + layer.o_adapter.add_(h, packed_linear(h, *o_w), merged, native)  # HF: residual + output
             h = layer.norm2(x)
-            gu = layer.gate_up_adapters.add_(h, packed_linear(h, *gu_w), merged)  # (B, T, 2 I)
+            gu = layer.gate_up_adapters.add_(h, packed_linear(h, *gu_w), merged, native)  # (B, T, 2 I)
             inner = gu.shape[-1] // 2
             h = layer.act(gu[..., :inner]).mul_(gu[..., inner:])
-            x = x + layer.down_adapter.add_(h, packed_linear(h, *down_w), merged)
+            x = x + layer.down_adapter.add_(h, packed_linear(h, *down_w), merged, native)
         return self.norm(x)
 
     def _merged(self) -> int | None:
@@ -187,13 +192,31 @@ class LeanDecoder:
                 packed.merge_adapter(name)
         return state.names.index(packed.merged) if packed.merged in state.adapters else None
 
+    def _native_step(self, rows: int, dtype: torch.dtype, merged: int | None) -> NativeStep | None:
+        """This forward's routed adapters in the native kernel (`adapter_kernel`), for a decode step's rows
+        (at most `NATIVE_ROWS`: a prefill's many tokens go through torch's GEMMs, which read each adapter
+        matrix once for all of them); None where it does not apply."""
+        kernel, state = self.adapter_kernel, getattr(self.model, "_rolerl_route_state", None)
+        if kernel is None or state is None or not state.adapters or not 0 < rows <= NATIVE_ROWS:
+            return None
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if isinstance(state.route, torch.Tensor) and state.route.numel() != rows:
+            return None  # torch's path raises the error that names the shapes
+        return kernel.step(rows, state.terms(rows, merged), dtype)
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on the packed weight of the last forward."""
         return packed_linear(hidden, *self._head)
 
     def sleep(self) -> None:
-        """Let go of the last forward's head weight, so that `PackedLinears.drop` frees it too."""
+        """Let go of the last forward's head weight, so that `PackedLinears.drop` frees it too, and of the
+        native kernel's fp32 copies of the adapters (rebuilt at the next rollout, as they would be anyway
+        after the trainer's update)."""
         self._head = None
+        for layer in self.layers:
+            for group in (layer.qkv_adapters, layer.o_adapter, layer.gate_up_adapters, layer.down_adapter):
+                group.release()
 
 
 def _adapters(*modules: nn.Module) -> FusedAdapters:

@@ -32,7 +32,7 @@ from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
 from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_batch, make_layout
-from rolerl.rollout.native import resolve_attention
+from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention
 from rolerl.rollout.packed import PackedLinears, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import sample
@@ -77,6 +77,7 @@ class Engine:
         source=None,
         kernels: str = "auto",
         attention: str = "auto",
+        adapter_kernel: str = "auto",
         owns_model: bool | None = None,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
@@ -87,6 +88,8 @@ class Engine:
         for oneDNN (`rolerl.rollout.packed`; CPU only), `torch` on `F.linear`, `auto` = `onednn` where
         supported. `attention`: `native` runs decode attention in a C kernel built with the machine's
         compiler (`rolerl.rollout.native`; CPU only), `torch` in SDPA, `auto` = `native` where it builds.
+        `adapter_kernel`: the same for the routed adapters of a decode step on the engine's own decoder
+        (`native`: each row through its own adapter in C; `torch`: masked GEMMs over every adapter's ranks).
         `owns_model` (default: True with a `source`): nothing but this engine runs `model`, so
         with packed kernels its plain linear weights are freed (the packed copies replace them)."""
         self.model, self.tokenizer = model, tokenizer
@@ -118,7 +121,20 @@ class Engine:
             if self.kernels == "onednn" and lean_support(model) is None
             else None
         )
+        self.adapter_kernel = resolve_adapter_kernel(adapter_kernel, self.device)
+        if self.adapter_kernel is not None:
+            why = None
+            if self.lean is None:
+                why = "runs on the engine's own decoder only (rollout.kernels onednn, a Llama-family model)"
+            elif self.dtype not in (torch.float32, torch.bfloat16):
+                why = f"does not cover dtype {self.dtype} (float32 or bfloat16)"
+            if why is not None and adapter_kernel == "native":
+                raise ValueError(f"rollout.adapter_kernel 'native' {why}; use 'auto'")
+            if why is not None:
+                log.info("the native adapter kernel %s; the engine uses torch's GEMMs", why)
+                self.adapter_kernel = None
         if self.lean is not None:
+            self.lean.adapter_kernel = self.adapter_kernel
             self.packed = self.lean.packed
         else:
             self.packed = PackedLinears.of(model, max_batch) if self.kernels == "onednn" else None

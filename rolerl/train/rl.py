@@ -529,7 +529,8 @@ def build_engines(
             model, source = rollout_copy(m.model, dtype), m.model
         engines[name] = Engine(model, m.tokenizer, max_batch=max_batch, max_len=max_len,
                                tools=build_tools(names, **kwargs), source=source,
-                               kernels=cfg.rollout.kernels, attention=cfg.rollout.attention)  # fmt: skip
+                               kernels=cfg.rollout.kernels, attention=cfg.rollout.attention,
+                               adapter_kernel=cfg.rollout.adapter_kernel)  # fmt: skip
     return engines
 
 

@@ -3,7 +3,8 @@ and cached keys/values against HF's forward in float64 on the three tiny familie
 and mixed per-token routes, through prefill, decode and gathered slots, dense and flat (decode rows, tool
 output spliced in and dummies in one forward of real tokens only); adapters injected after the
 engine was built are used; a model it does not cover runs HF's forward; a released model still runs its
-own forward on the fused packed weights."""
+own forward on the fused packed weights. The float64 comparisons run with the routed adapters in torch's
+GEMMs and in the native kernel (`lora.c`, where a C compiler is there), which must then have run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 import rolerl
 from rolerl.models.lora import routes as routes_ctx
+from rolerl.rollout import native
 from rolerl.rollout.decoder import LeanDecoder, _adapters, lean_support
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.kv import KVCache, engine_forward, make_batch, make_layout
@@ -60,17 +62,43 @@ def assert_step_equals_hf(decoder, reference, caches, ids, routes, slots, lens, 
         assert_close_ulps(got[b, :n].double(), want[b, :n], 256, torch.float32)
 
 
-def against_float64(tiny, capacity: int):
-    """The tiny model with two routed adapters, its float64 copy, a lean decoder over it, and a 4-slot cache
-    per dtype."""
+@pytest.fixture(
+    params=[
+        "torch",
+        pytest.param("native", marks=pytest.mark.skipif(native.kernel() is None, reason="no C compiler")),
+    ]
+)
+def adapter_kernel(request, monkeypatch):
+    """The lean decoder's routed adapters in torch's GEMMs (None) or in the native kernel, whose calls are
+    then counted: `(kernel, calls)`."""
+    calls = []
+    if request.param == "torch":
+        return None, calls
+    original = native.NativeStep.add_
+    monkeypatch.setattr(native.NativeStep, "add_", lambda self, *a: calls.append(1) or original(self, *a))
+    return native.kernel(), calls
+
+
+def against_float64(tiny, capacity: int, adapter_kernel=(None, [])):
+    """The tiny model with two routed adapters, its float64 copy, a lean decoder over it (its routed adapters
+    in `adapter_kernel`'s kernel), and a 4-slot cache per dtype."""
     model, _ = tiny
     with_adapters(model)
     caches = {d: KVCache(model.config, 4, capacity, d, "cpu") for d in (torch.float32, torch.float64)}
-    return model, copy.deepcopy(model).double(), LeanDecoder(model, batch_hint=4), caches
+    decoder = LeanDecoder(model, batch_hint=4)
+    decoder.adapter_kernel = adapter_kernel[0]
+    return model, copy.deepcopy(model).double(), decoder, caches
 
 
-def test_lean_decoder_equals_hf_forward_in_float64(tiny):
-    model, reference, decoder, caches = against_float64(tiny, capacity=32)
+def kernel_ran(adapter_kernel) -> bool:
+    """Whether the native kernel, where the test asked for it, added the adapters (every forward here is
+    small enough for it)."""
+    kernel, calls = adapter_kernel
+    return kernel is None or len(calls) > 0
+
+
+def test_lean_decoder_equals_hf_forward_in_float64(tiny, adapter_kernel):
+    model, reference, decoder, caches = against_float64(tiny, 32, adapter_kernel)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     for slots, lens, n_new in STEPS:
@@ -83,6 +111,7 @@ def test_lean_decoder_equals_hf_forward_in_float64(tiny):
                          (caches[torch.float32].v[layer], caches[torch.float64].v[layer])):  # fmt: skip
             for slot, length in enumerate([9, 5, 9]):
                 assert_close_ulps(k32[slot, :, :length].double(), k64[slot, :, :length], 256, torch.float32)
+    assert kernel_ran(adapter_kernel)
 
 
 # flat forwards: a ragged prefill (one extend segment), decode rows with a dummy (a row waiting on its tool)
@@ -112,10 +141,10 @@ def flat_logits(decoder, ids, routes, cache, slots, lens, n_new):
     return out
 
 
-def test_flat_layouts_equal_hf_forward_in_float64(tiny):
+def test_flat_layouts_equal_hf_forward_in_float64(tiny, adapter_kernel):
     """Rows feeding different numbers of tokens in one forward of real tokens only (no padding, no dummy
     positions in the linear layers) give HF's padded forward's logits and cached keys/values (float64)."""
-    model, reference, decoder, caches = against_float64(tiny, capacity=32)
+    model, reference, decoder, caches = against_float64(tiny, 32, adapter_kernel)
     g = torch.Generator().manual_seed(2)
     vocab = model.config.vocab_size
     for slots, lens, n_new in FLAT_STEPS:
@@ -138,6 +167,7 @@ def test_flat_layouts_equal_hf_forward_in_float64(tiny):
                          (caches[torch.float32].v[layer], caches[torch.float64].v[layer])):  # fmt: skip
             for slot, length in enumerate([9, 4, 9, 4]):
                 assert_close_ulps(k32[slot, :, :length].double(), k64[slot, :, :length], 256, torch.float32)
+    assert kernel_ran(adapter_kernel)
 
 
 def test_engine_runs_the_lean_decoder_on_packed_kernels_only(tiny):
@@ -230,11 +260,11 @@ def test_fused_adapters_equal_each_layers_own_adapters(tiny):
             assert not torch.equal(got, base)
 
 
-def test_an_adapter_every_token_uses_is_merged_and_other_routes_subtract_it(tiny):
+def test_an_adapter_every_token_uses_is_merged_and_other_routes_subtract_it(tiny, adapter_kernel):
     """The first forward whose tokens all use adapter a packs a into the base weights; later forwards under
     mixed routes, under b alone and under the base alone subtract it and still equal HF's forward (float64);
     an update of a's weights re-packs; dropping the packed copy unmerges."""
-    model, reference, decoder, caches = against_float64(tiny, capacity=40)
+    model, reference, decoder, caches = against_float64(tiny, 40, adapter_kernel)
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     steps = [*STEPS, ([0, 1, 2], [9, 5, 9], [1, 1, 1]), ([0, 1, 2], [10, 6, 10], [2, 1, 2]),
@@ -254,6 +284,7 @@ def test_an_adapter_every_token_uses_is_merged_and_other_routes_subtract_it(tiny
         routes = torch.randint(-1, 2, (len(slots), width), generator=g) if route == "mixed" else route
         assert_step_equals_hf(decoder, reference, caches, ids, routes, slots, lens, n_new)
         assert decoder.packed.merged == "a", "merged by the first forward, kept through other routes"
+    assert kernel_ran(adapter_kernel)
     decoder.packed.drop()
     assert decoder.packed.merged is None
     with pytest.raises(RuntimeError, match="merged"):

@@ -1,4 +1,5 @@
-"""The engine's decode attention as a small C kernel, built on first use with the machine's C compiler.
+"""The engine's decode attention and routed adapters as small C kernels, built on first use with the machine's
+C compiler.
 
 At a decode step every row attends with one query per head to its own cached keys. On CPU, SDPA's flash
 kernel and batched matmuls both pay per (row, KV head) for tiling and GEMM set-up that a few dozen keys of
@@ -8,12 +9,18 @@ pass over its keys, reading the cache in place (cache slots and per-row lengths 
 mask), in fp32 whatever the cache's dtype (bf16 keys and values are widened as they are read; SDPA rounds
 the probabilities to bf16 before multiplying by V, this kernel does not).
 
-`kernel()` compiles the source once per machine and compiler (`cc -O3 -march=native -fopenmp`) into
+`lora.c` adds the routed LoRA adapters of a fused group of layers at a decode step (`FusedAdapters`): each
+row multiplies by its own adapter's matrices only, where torch's path runs every adapter's ranks on every row
+under a mask and a block matrix of zeros, in four small GEMMs per layer that cost more in set-up than in
+arithmetic (`rollout.adapter_kernel`).
+
+`kernel()` compiles the sources once per machine and compiler (`cc -O3 -march=native -fopenmp`) into
 `$ROLERL_CACHE/native` (default `~/.cache/rolerl/native`), keyed by the source, the flags, the compiler's
 version and the CPU's flags, so that a home directory shared by different CPUs never loads a binary built
 for another, and loads it with ctypes after torch: with torch's GNU OpenMP (`libgomp.so.1`, the PyPI
 wheels') the kernel then runs on torch's own threads. With no compiler (or one without OpenMP), or a
-build that fails, it returns None and says why once; the engine then keeps SDPA (`rollout.attention`).
+build that fails, it returns None and says why once; the engine then keeps SDPA (`rollout.attention`) and
+torch's adapter GEMMs (`rollout.adapter_kernel`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from rolerl.models.load import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "decode_attention.c", HERE / "lora.c")
+HEADERS = (HERE / "lanes.h",)
 # no -ffast-math or reassociation: the kernel spells its vector sums out (reduce_lanes), so the compiler
 # keeps IEEE semantics (NaN and inf mean what they say) at no cost
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
@@ -44,17 +53,23 @@ ATTENTION = ("auto", "native", "torch")
 
 
 class NativeKernel:
-    """The loaded library: `decode_attention(q, k, v, slots, positions, scale)`."""
+    """The loaded library: `decode_attention(q, k, v, slots, positions, scale)` and
+    `lora_add(x, y, tables, terms, factors)`."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         fn = lib.rolerl_decode_attention
-        fn.argtypes = [ptr] * 6 + [i64] * 10 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [ptr] * 6 + [i64] * 10 + [ctypes.c_float, cint, cint]
         fn.restype = None
         limit = lib.rolerl_decode_attention_limit
         limit.argtypes, limit.restype = [ctypes.c_int], ctypes.c_int
-        self.path, self._fn = path, fn
+        lora = lib.rolerl_lora_add
+        lora.argtypes = (
+            [ptr, ptr] + [i64] * 5 + [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, cint, cint]
+        )
+        lora.restype = i64
+        self.path, self._fn, self._lora = path, fn, lora
         self.max_head_dim, self.max_groups, self.isa = limit(0), limit(1), limit(2)
 
     def covers(self, dtype: torch.dtype, head_dim: int, groups: int) -> str | None:
@@ -115,20 +130,170 @@ class NativeKernel:
         )  # fmt: skip
         return out
 
+    def lora_add(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        tables: LoRATables,
+        terms: torch.Tensor,
+        factors: torch.Tensor,
+        order: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Add routed adapters to `y` `(..., width)` in place for input `x` `(..., in)` (same rows, same dtype:
+        float32 or bfloat16, CPU): row `n` applies `terms[n, i]` (a slot of `tables`, -1 = none) times
+        `factors[n, i]` for i = 0, 1. `order`: a permutation of the rows that puts rows with equal terms
+        next to each other (they then share each pass over the matrices); default: sorted by terms.
+        Returns `y`."""
+        if (
+            x.dtype not in DTYPES
+            or y.dtype != x.dtype
+            or x.device.type != "cpu"
+            or y.device.type != "cpu"
+            or x.shape[:-1] != y.shape[:-1]
+            or x.shape[-1] != tables.in_features
+            or y.shape[-1] != tables.width
+        ):
+            raise ValueError(
+                f"lora_add: x {tuple(x.shape)} {x.dtype} and y {tuple(y.shape)} {y.dtype} are not (..., "
+                f"{tables.in_features}) and (..., {tables.width}) of one dtype (float32 or bfloat16) on CPU"
+            )
+        rows = x[..., 0].numel()
+        if terms.shape != (rows, 2) or factors.shape != (rows, 2):
+            raise ValueError(f"lora_add: terms and factors must be ({rows}, 2) for {rows} rows")
+        if terms.dtype != torch.int64 or factors.dtype != torch.float32:
+            raise TypeError("lora_add: terms must be int64 and factors float32")
+        if not y.is_contiguous():
+            raise ValueError("lora_add: y must be contiguous (it is updated in place)")
+        n_slots = tables.slots.shape[0]
+        if terms.numel() and not -1 <= int(terms.min()) <= int(terms.max()) < n_slots:
+            raise ValueError(f"lora_add: terms must be -1 (none) or one of the tables' {n_slots} slots")
+        if order is None:
+            order = grouping(terms)
+        elif order.dtype != torch.int64 or not torch.equal(order.sort().values, torch.arange(rows)):
+            raise ValueError(f"lora_add: order must be an int64 permutation of the {rows} rows")
+        step = NativeStep(self, rows, (terms.contiguous(), factors.contiguous(), order.contiguous()), x.dtype)
+        step.add_(x.contiguous(), y, tables)
+        return y
+
+    def step(self, rows: int, terms: tuple[torch.Tensor, ...] | None, dtype: torch.dtype) -> NativeStep:
+        """One decode forward's adapter calls over `rows` rows (`NativeStep`)."""
+        return NativeStep(self, rows, terms, dtype)
+
+    def tables(self, layers, n_slots: int, in_features: int, width: int) -> LoRATables:
+        """The adapters of one fused group as `lora_add` reads them (`LoRATables`)."""
+        return LoRATables(layers, n_slots, in_features, width)
+
+
+class NativeStep:
+    """The routed adapters of one decode forward, for every fused group it runs (`FusedAdapters.add_`): the
+    rows, and per row its terms (`(rows, 2)` slots, -1 = none), their factors `(rows, 2)` and the rows
+    grouped by terms (`RouteState.terms`; None: no row adds anything), set up once per forward so that each
+    group's call is one ctypes call."""
+
+    def __init__(
+        self, kernel: NativeKernel, rows: int, terms: tuple[torch.Tensor, ...] | None, dtype: torch.dtype
+    ) -> None:
+        if terms is not None and any(t.shape[0] != rows or not t.is_contiguous() for t in terms):
+            raise ValueError(f"NativeStep: terms, factors and order must be contiguous, {rows} rows each")
+        self.kernel, self.rows, self.dtype, self.terms = kernel, rows, dtype, terms
+        self._tail = None
+        if terms is not None:
+            self._tail = (*(t.data_ptr() for t in terms), DTYPES[dtype], torch.get_num_threads())
+
+    def fits(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether `x` `(..., in)` and `y` `(..., width)` are this step's rows, dtype and layout."""
+        return (
+            x.dtype == y.dtype == self.dtype
+            and x.numel() == self.rows * x.shape[-1]
+            and y.numel() == self.rows * y.shape[-1]
+            and x.is_contiguous()
+            and y.is_contiguous()
+        )
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor, tables: LoRATables) -> None:
+        """`y += adapters(x)` in place, for `x` and `y` that `fit` and `tables` of their widths; the kernel
+        checks every index it reads from the tables and the terms."""
+        if self._tail is None:
+            return
+        if x.shape[-1] != tables.in_features or y.shape[-1] != tables.width:
+            raise ValueError("NativeStep: x and y do not match the tables' widths")
+        bad = self.kernel._lora(x.data_ptr(), y.data_ptr(), self.rows, *tables.head, *self._tail)
+        if bad:
+            why = "no scratch memory" if bad < 0 else f"{bad} terms or blocks outside the tables"
+            raise RuntimeError(f"lora_add: {why}")
+
+
+def grouping(terms: torch.Tensor) -> torch.Tensor:
+    """The rows of `terms` `(rows, 2)` ordered so that rows with equal terms are next to each other."""
+    if not terms.numel():
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.argsort((terms[:, 0] + 1) * (int(terms.max()) + 2) + terms[:, 1] + 1, stable=True)
+
+
+class LoRATables:
+    """The adapters of one fused group, as `lora.c` reads them. `layers`: one entry per layer of the group,
+    `(first column, end column, {slot: (A (r, in), B (out, r))})`, slot = the adapter's route index; every
+    matrix is stored in fp32. Slot `s` stacks the A of every layer carrying adapter `s` (R ranks) and keeps
+    one block per such layer: its columns, its ranks within the slot, its B transposed."""
+
+    def __init__(self, layers, n_slots: int, in_features: int, width: int) -> None:
+        self.in_features, self.width = in_features, width
+        a_parts, b_parts, slots, blocks = [], [], [], []
+        a_at = b_at = 0
+        for s in range(n_slots):
+            carriers = [(lo, hi, mats[s]) for lo, hi, mats in layers if s in mats]
+            rank, first, stacked = 0, len(blocks), []
+            for lo, hi, (a, b) in carriers:
+                r = a.shape[0]
+                if a.shape != (r, in_features) or b.shape != (hi - lo, r) or not 0 <= lo <= hi <= width:
+                    raise ValueError(
+                        f"LoRATables: adapter matrices {tuple(a.shape)} / {tuple(b.shape)} do "
+                        f"not fit columns [{lo}, {hi}) of {width} over {in_features} inputs"
+                    )
+                stacked.append(a.detach().to(torch.float32))
+                bt = b.detach().to(torch.float32).t().contiguous().reshape(-1)
+                b_parts.append(bt)
+                blocks.append((lo, hi, rank, r, b_at))
+                rank, b_at = rank + r, b_at + bt.numel()
+            slots.append((a_at, rank, first, len(blocks) - first))
+            if rank:
+                a_parts.append(torch.cat(stacked).reshape(-1))
+                a_at += rank * in_features
+        empty = torch.zeros(1)  # never read (a zero-length slot or table), a valid pointer all the same
+        self.a = torch.cat(a_parts) if a_parts else empty
+        self.b = torch.cat(b_parts) if b_parts else empty
+        self.slots = torch.tensor(slots, dtype=torch.int64).reshape(-1, 4)
+        self.blocks = torch.tensor(blocks, dtype=torch.int64).reshape(-1, 5)
+        self.head = (  # lora.c's arguments after x, y and the rows
+            in_features, width, in_features, width, self.a.data_ptr(), self.a.numel(), self.b.data_ptr(),
+            self.b.numel(), self.slots.data_ptr(), self.slots.shape[0], self.blocks.data_ptr(),
+            self.blocks.shape[0],
+        )  # fmt: skip
+
 
 def resolve_attention(attention: str, device: torch.device) -> NativeKernel | None:
     """`rollout.attention`: `native` = the C kernel (an error where it cannot be built), `torch` = SDPA and
     matmuls, `auto` = native where the kernel builds with AVX2 or AVX-512 on this CPU, else torch."""
-    if attention not in ATTENTION:
-        raise ValueError(f"rollout.attention must be one of {ATTENTION}, got {attention!r}")
-    if attention == "torch" or device.type != "cpu":
-        if attention == "native":
-            raise ValueError(f"rollout.attention 'native' runs on CPU only; this model is on {device}")
+    return _resolve(attention, device, "rollout.attention")
+
+
+def resolve_adapter_kernel(setting: str, device: torch.device) -> NativeKernel | None:
+    """`rollout.adapter_kernel`: the routed adapters of a decode step in `lora.c` (`native`; an error where
+    it cannot be built) or in torch's GEMMs (`torch`); `auto` = native where it builds with AVX2 or AVX-512."""
+    return _resolve(setting, device, "rollout.adapter_kernel")
+
+
+def _resolve(setting: str, device: torch.device, field: str) -> NativeKernel | None:
+    if setting not in ATTENTION:
+        raise ValueError(f"{field} must be one of {ATTENTION}, got {setting!r}")
+    if setting == "torch" or device.type != "cpu":
+        if setting == "native":
+            raise ValueError(f"{field} 'native' runs on CPU only; this model is on {device}")
         return None
     built = kernel()
-    if built is None and attention == "native":
-        raise RuntimeError(f"rollout.attention 'native': the kernel did not build ({_failure}); use 'auto'")
-    if built is not None and attention == "auto" and not built.isa:
+    if built is None and setting == "native":
+        raise RuntimeError(f"{field} 'native': the kernels did not build ({_failure}); use 'auto'")
+    if built is not None and setting == "auto" and not built.isa:
         return None  # built without AVX2 or AVX-512: its generic vectors measured slower than torch's
     return built
 
@@ -138,13 +303,15 @@ _failure = ""
 
 @functools.cache
 def kernel() -> NativeKernel | None:
-    """The compiled kernel, built once per machine (cached on disk), or None where it cannot be built."""
+    """The compiled kernels, built once per machine (cached on disk), or None where they cannot be built."""
     global _failure
     try:
         return NativeKernel(_build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _failure = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        log.warning("native decode attention unavailable (%s); the engine uses SDPA", _failure)
+        log.warning(
+            "native kernels unavailable (%s); the engine uses SDPA and torch's adapter GEMMs", _failure
+        )
         return None
 
 
@@ -168,10 +335,10 @@ def _cpu_identity() -> str:
 def _build() -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]  # fmt: skip
-    target = cache_dir() / "native" / f"decode_attention-{key}.so"
+    target = cache_dir() / "native" / f"rolerl-native-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +346,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
+            [cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
