@@ -11,11 +11,11 @@ the probabilities to bf16 before multiplying by V, this kernel does not).
 
 `lora.c` adds the routed LoRA adapters of a fused group of layers at a decode step (`FusedAdapters`): each
 row multiplies by its own adapter's matrices only, where torch's path runs every adapter's ranks on every row
-under a mask and a block matrix of zeros, in four small GEMMs per layer that cost more in set-up than in
-arithmetic (`rollout.adapter_kernel`).
+under a mask and a block matrix of zeros, in two small GEMMs per fused group that cost more in set-up than
+in arithmetic (`rollout.adapter_kernel`).
 
 `kernel()` compiles the sources once per machine and compiler (`cc -O3 -march=native -fopenmp`) into
-`$ROLERL_CACHE/native` (default `~/.cache/rolerl/native`), keyed by the source, the flags, the compiler's
+`$ROLERL_CACHE/native` (default `~/.cache/rolerl/native`), keyed by the sources, the flags, the compiler's
 version and the CPU's flags, so that a home directory shared by different CPUs never loads a binary built
 for another, and loads it with ctypes after torch: with torch's GNU OpenMP (`libgomp.so.1`, the PyPI
 wheels') the kernel then runs on torch's own threads. With no compiler (or one without OpenMP), or a

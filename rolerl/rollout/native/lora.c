@@ -96,11 +96,12 @@ static int same_terms(const int64_t *terms, const float *factors, int64_t a, int
 
 /* x: (rows, in) and y: (rows, width), row strides x_stride and y_stride elements, unit column stride; dtype
    0 = float32, 1 = bfloat16. a (a_len floats) and b (b_len floats): the slots' A and B^T matrices. slots:
-   (n_slots, 4) int64: offset of the slot's A (R, in) in a, R, its first block, its block count. blocks: (n_blocks, 5) int64: lo, hi, r0, r, offset of the block's B^T in b. terms: (rows, 2)
-   int64, a slot or -1 (none); factors: (rows, 2) float. order: the rows, those with equal terms next to each
-   other (any permutation is correct; grouping makes it faster). Returns the number of terms, blocks and
-   order entries skipped because they point outside the tables or the rows (0 when consistent), or -1 where
-   no scratch memory could be had (y untouched). */
+   (n_slots, 4) int64: offset of the slot's A (R, in) in a, R, its first block, its block count. blocks:
+   (n_blocks, 5) int64: lo, hi, r0, r, offset of the block's B^T in b. terms: (rows, 2) int64, a slot or -1
+   (none); factors: (rows, 2) float. order: the rows, those with equal terms next to each other (any
+   permutation is correct; grouping makes it faster). Returns the number of terms, blocks and order entries
+   skipped because they point outside the tables or the rows (0 when consistent), or -1 where no scratch
+   memory could be had (y untouched). */
 int64_t rolerl_lora_add(const void *x, void *y, int64_t rows, int64_t in, int64_t width, int64_t x_stride,
                         int64_t y_stride, const float *a, int64_t a_len, const float *b, int64_t b_len,
                         const int64_t *slots, int64_t n_slots, const int64_t *blocks, int64_t n_blocks,
