@@ -166,7 +166,7 @@ class RouteState:
             scalings = torch.tensor([s.scaling for s in self.adapters.values()] + [0.0])  # [-1]: none
             factors = scalings[terms]
             factors[:, 1].neg_()
-            order = torch.argsort((terms[:, 0] + 1) * (len(self.adapters) + 1) + terms[:, 1] + 1, stable=True)
+            order = group_rows(terms)
             self._masks[key] = (terms.contiguous(), factors, order) if bool((terms >= 0).any()) else None
         return self._masks[key]
 
@@ -198,6 +198,14 @@ class RouteState:
                 mask = mask - torch.where(owner == merged, scale.to(like.dtype), zero)
             self._masks[key] = mask
         return self._masks[key]
+
+
+def group_rows(terms: torch.Tensor) -> torch.Tensor:
+    """The rows of `terms` `(rows, 2)` (adapter indices, -1 = none) ordered so that rows with equal terms are
+    next to each other, in their original order within a group (for `rolerl.rollout.native`'s kernel)."""
+    if not terms.numel():
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.argsort((terms[:, 0] + 1) * (int(terms.max()) + 2) + terms[:, 1] + 1, stable=True)
 
 
 class RoutedLoRALinear(nn.Module):

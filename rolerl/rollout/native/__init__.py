@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from rolerl.models.load import cache_dir
+from rolerl.models.lora import group_rows
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class NativeKernel:
         if terms.numel() and not -1 <= int(terms.min()) <= int(terms.max()) < n_slots:
             raise ValueError(f"lora_add: terms must be -1 (none) or one of the tables' {n_slots} slots")
         if order is None:
-            order = grouping(terms)
+            order = group_rows(terms)
         elif order.dtype != torch.int64 or not torch.equal(order.sort().values, torch.arange(rows)):
             raise ValueError(f"lora_add: order must be an int64 permutation of the {rows} rows")
         step = NativeStep(self, rows, (terms.contiguous(), factors.contiguous(), order.contiguous()), x.dtype)
@@ -221,13 +222,6 @@ class NativeStep:
         if bad:
             why = "no scratch memory" if bad < 0 else f"{bad} terms or blocks outside the tables"
             raise RuntimeError(f"lora_add: {why}")
-
-
-def grouping(terms: torch.Tensor) -> torch.Tensor:
-    """The rows of `terms` `(rows, 2)` ordered so that rows with equal terms are next to each other."""
-    if not terms.numel():
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.argsort((terms[:, 0] + 1) * (int(terms.max()) + 2) + terms[:, 1] + 1, stable=True)
 
 
 class LoRATables:
