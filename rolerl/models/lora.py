@@ -478,9 +478,12 @@ class FusedAdapters:
         cache = self._tables
         if cache is None or cache[0] != carried:
             if any(state.adapters[n].dropout > 0 for m, _, _ in self.members for n in m._carried):
+                self._tables = [carried, None, None, None]  # remembered: not checked again per call
                 return None
             params = [p for m, _, _ in self.members for n in m._carried for p in (m.lora_A[n], m.lora_B[n])]
             cache = self._tables = [carried, params, None, None]
+        if cache[1] is None:
+            return None
         versions = [(p._version, p.data_ptr()) for p in cache[1]]
         if cache[2] != versions:
             index = {name: i for i, name in enumerate(state.names)}

@@ -211,8 +211,8 @@ class LeanDecoder:
 
     def sleep(self) -> None:
         """Let go of the last forward's head weight, so that `PackedLinears.drop` frees it too, and of the
-        native kernel's fp32 copies of the adapters (rebuilt at the next rollout, as they would be anyway
-        after the trainer's update)."""
+        adapters' copies (the native kernel's fp32 tables, torch's stacked matrices), rebuilt at the next
+        rollout as they would be anyway after the trainer's update."""
         self._head = None
         for layer in self.layers:
             for group in (layer.qkv_adapters, layer.o_adapter, layer.gate_up_adapters, layer.down_adapter):

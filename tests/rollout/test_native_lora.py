@@ -223,3 +223,30 @@ def test_where_the_kernel_does_not_apply_auto_keeps_torch_and_native_says_why(ti
         Engine(model, tok, max_batch=2, kernels="torch", adapter_kernel="native")
     with pytest.raises(ValueError, match="adapter_kernel must be one of"):
         Engine(model, tok, max_batch=2, adapter_kernel="fast")
+
+
+def test_adapters_with_dropout_keep_torchs_path(tiny, monkeypatch):
+    """An adapter with dropout (each adapter its own dropout of x, as in PEFT) is not the kernel's: a group
+    carrying one adds through torch's path, the same numbers as without a step, on every call."""
+    from rolerl.models.lora import routes as routes_ctx
+    from rolerl.rollout.decoder import _adapters
+
+    model, _ = tiny
+    rolerl.add_adapters(model, ["a", "b"], rank=4, dropout=0.1)
+    randomize_adapters(model, std=0.2)
+    model.eval()  # dropout off: the two paths are then comparable
+    calls = []
+    monkeypatch.setattr(native.NativeStep, "add_", lambda self, *a: calls.append(1))
+    attn = model.model.layers[0].self_attn
+    fused = _adapters(attn.q_proj, attn.k_proj, attn.v_proj)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 1, attn.q_proj.in_features, generator=g)
+    base = torch.randn(4, 1, fused.width, generator=g)
+    route = torch.tensor([[0], [1], [-1], [0]])
+    with torch.inference_mode(), routes_ctx(model, route):
+        state = attn.q_proj.state
+        step = KERNEL.step(4, state.terms(4), torch.float32)
+        want = fused.add_(x, base.clone())
+        for _ in range(2):
+            assert torch.equal(fused.add_(x, base.clone(), None, step), want)
+    assert not calls and not torch.equal(want, base)
