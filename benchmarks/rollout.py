@@ -23,7 +23,8 @@ computing finished rows until the last one ends; the engine drops them). One tim
 The rolerl side owns its model (generation only, as in `rolerl eval`), so its packed oneDNN weights
 replace the plain ones (`Engine(owns_model=True)`); `--kernels torch` measures the engine on `F.linear`,
 `--attention torch` its decode attention in SDPA instead of the native kernel, `--adapter-kernel torch` the
-routed adapters of its decode steps in torch's masked GEMMs instead of the native kernel.
+routed adapters of its decode steps in torch's masked GEMMs instead of the native kernel, `--tied-head copy`
+its LM head (tied to the embeddings on the default model) on a packed copy instead of the shared matrix.
 
     python benchmarks/rollout.py --json                                   # cases 1-2 (~20 min on 2 cores)
     python benchmarks/rollout.py --dtypes bfloat16 --batches 32 --runs 3  # one cell
@@ -105,6 +106,7 @@ def child(
     kernels: str = "auto",
     attention: str = "auto",
     adapter_kernel: str = "auto",
+    tied_head: str = "share",
 ) -> dict:
     """One side of one cell. `eos`: stop rows at EOS (variable lengths, as RL produces) and count the tokens
     up to and including each row's EOS; else every row generates exactly `new` tokens. The warm-up
@@ -164,6 +166,7 @@ def child(
             kernels=kernels,
             attention=attention,
             adapter_kernel=adapter_kernel,
+            tied_head=tied_head,
             owns_model=row != "policy",
         )
 
@@ -290,6 +293,12 @@ def main() -> None:
         help="rolerl's routed adapters at decode steps",
     )
     p.add_argument(
+        "--tied-head",
+        default="share",
+        choices=["share", "copy"],
+        help="rolerl's LM head tied to the embeddings: on that matrix, or on a packed copy",
+    )
+    p.add_argument(
         "--skip-tools", action="store_true", help="skip case 2 (same as leaving it out of --cases)"
     )
     p.add_argument("--json", action="store_true")
@@ -301,7 +310,7 @@ def main() -> None:
         side, row, dtype, batch = args.child
         res = child(
             side, row, dtype, int(batch), args.new_tokens, args.runs, args.eos, args.kernels, args.attention,
-            args.adapter_kernel,
+            args.adapter_kernel, args.tied_head,
         )  # fmt: skip
         print(json.dumps(res))
         return
@@ -314,7 +323,14 @@ def main() -> None:
         )
         return
 
-    native = ["--attention", args.attention, "--adapter-kernel", args.adapter_kernel]
+    native = [
+        "--attention",
+        args.attention,
+        "--adapter-kernel",
+        args.adapter_kernel,
+        "--tied-head",
+        args.tied_head,
+    ]
     common = ["--runs", str(args.runs), "--kernels", args.kernels, *native]
     summary: dict = {
         "new_tokens": args.new_tokens,
@@ -323,6 +339,7 @@ def main() -> None:
         "kernels": args.kernels,
         "attention": args.attention,
         "adapter_kernel": args.adapter_kernel,
+        "tied_head": args.tied_head,
         "threads": int(os.environ.get("BENCH_THREADS", "2")),
         "machine": describe(),  # every figure says which CPU it came from
     }

@@ -185,6 +185,10 @@ class RolloutConfig(Section):
     # native = each row through its own adapter's matrices in a C kernel built with the attention's; torch =
     # masked GEMMs over every adapter's ranks; auto = native where it builds. docs/ROLLOUT.md
     adapter_kernel: Literal["auto", "native", "torch"] = "auto"
+    # with onednn kernels, an LM head tied to the input embeddings (SmolLM2, Qwen2.5 up to 3B): share = run
+    # on that matrix; copy = on a packed copy of it (the matrix held twice: +57 MB for the default model in
+    # bf16, +545 MB for Qwen2.5-0.5B in fp32; a faster decode step on some CPUs). docs/ROLLOUT.md
+    tied_head: Literal["share", "copy"] = "share"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
     # in this process) and served_model (its base model's name; default: the first it lists)

@@ -33,7 +33,7 @@ from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
 from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_batch, make_layout
 from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention
-from rolerl.rollout.packed import PackedLinears, resolve_kernels
+from rolerl.rollout.packed import PackedLinears, checked_tied_head, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import sample
 from rolerl.tools.base import Tool
@@ -78,6 +78,7 @@ class Engine:
         kernels: str = "auto",
         attention: str = "auto",
         adapter_kernel: str = "auto",
+        tied_head: str = "share",
         owns_model: bool | None = None,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
@@ -90,6 +91,8 @@ class Engine:
         compiler (`rolerl.rollout.native`; CPU only), `torch` in SDPA, `auto` = `native` where it builds.
         `adapter_kernel`: the same for the routed adapters of a decode step on the engine's own decoder
         (`native`: each row through its own adapter in C; `torch`: masked GEMMs over every adapter's ranks).
+        `tied_head`: with packed kernels, an LM head tied to the input embeddings runs on that matrix
+        (`share`) or on a packed copy of it (`copy`: faster on some CPUs, the matrix held twice).
         `owns_model` (default: True with a `source`): nothing but this engine runs `model`, so
         with packed kernels its plain linear weights are freed (the packed copies replace them)."""
         self.model, self.tokenizer = model, tokenizer
@@ -105,6 +108,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kernels = resolve_kernels(kernels, self.device, self.dtype)
+        tied_head = checked_tied_head(tied_head)
         self.native = resolve_attention(attention, self.device)
         if self.native is not None:
             _, heads, kv_heads, head_dim = attention_shape(model.config)
@@ -117,7 +121,7 @@ class Engine:
         # on packed weights, the engine's own forward over Llama-family decoders (rolerl.rollout.decoder);
         # HF's forward with the engine's attention for any other model, or on `F.linear`
         self.lean = (
-            LeanDecoder(model, max_batch)
+            LeanDecoder(model, max_batch, tied_head)
             if self.kernels == "onednn" and lean_support(model) is None
             else None
         )
@@ -137,7 +141,8 @@ class Engine:
             self.lean.adapter_kernel = self.adapter_kernel
             self.packed = self.lean.packed
         else:
-            self.packed = PackedLinears.of(model, max_batch) if self.kernels == "onednn" else None
+            onednn = self.kernels == "onednn"
+            self.packed = PackedLinears.of(model, max_batch, tied_head=tied_head) if onednn else None
         if self.packed is not None and (source is not None if owns_model is None else owns_model):
             self.packed.release(source)
         # every id the head can produce: a model's vocabulary is often padded past its tokenizer's (Qwen3:
@@ -275,7 +280,8 @@ class Engine:
             joining += 1
         if not joining:
             return
-        need = max(self.waiting[i].max_length for i in range(joining))
+        # a row's last position is sampled, never fed: its keys are never stored
+        need = max(self.waiting[i].max_length for i in range(joining)) - 1
         self._ensure_cache(len(self.active) + joining, need)
         for _ in range(joining):
             self.active.append(self.waiting.popleft())

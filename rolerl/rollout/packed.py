@@ -14,8 +14,8 @@ changes (its tensor version or storage moves, e.g. a trainable base) is packed a
 packed copies take as much memory as the weights they copy; a model only the engine uses (`release()`: a
 rollout copy in another dtype, or a generation-only model) keeps the packed copies alone and frees the plain
 weights. A rollout copy released with its `source` (the trainer's model) still drops its packed copies
-between rollouts, packs them again from the source's weights, and takes a merged adapter. An fp32 LM head
-tied to the input embeddings is never copied: oneDNN runs it on that matrix itself (`PackedLinears._tied`).
+between rollouts, packs them again from the source's weights, and takes a merged adapter. An LM head tied
+to the input embeddings is not copied unless asked (`tied_head`): oneDNN runs it on that matrix itself.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import nn
 from rolerl.models.lora import RoutedLoRALinear, merged_delta
 
 KERNELS = ("auto", "onednn", "torch")
+TIED_HEADS = ("share", "copy")
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -46,6 +47,12 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return False
+
+
+def checked_tied_head(tied_head: str) -> str:
+    if tied_head not in TIED_HEADS:
+        raise ValueError(f"rollout.tied_head must be one of {TIED_HEADS}, got {tied_head!r}")
+    return tied_head
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -66,11 +73,23 @@ class PackedLinears:
 
     `groups` packs layers that read the same input as one GEMM (the rollout engine's q/k/v and gate/up:
     `rolerl.rollout.decoder`): their weights concatenated by output rows. Every other linear is a group of
-    its own. `weights()` gives the packed weight and bias of every group, in order."""
+    its own. `weights()` gives the packed weight and bias of every group, in order.
+
+    `tied_head`: `share` runs an LM head tied to the input embeddings on that matrix itself, `copy` packs a
+    copy of it, as any other weight. A packed copy is opaque (no row can be read back for the token lookups),
+    so `copy` holds the matrix twice: +57 MB for the default model in bf16, +113 MB in fp32, +545 MB for
+    Qwen2.5-0.5B in fp32. Its GEMM on the plain matrix is slower on some CPUs and not on others
+    (docs/BENCHMARKS.md): on a 2-core AVX-512 EPYC, a bf16 decode step's head took 8.7 ms at 32 rows against
+    5.7 packed, while on an AVX2 one the fp32 head ran at the packed speed in the engine."""
 
     def __init__(
-        self, model: nn.Module, batch_hint: int = 32, groups: Sequence[Sequence[nn.Linear]] = ()
+        self,
+        model: nn.Module,
+        batch_hint: int = 32,
+        groups: Sequence[Sequence[nn.Linear]] = (),
+        tied_head: str = "share",
     ) -> None:
+        self.tied_head = checked_tied_head(tied_head)
         self._model = weakref.ref(model)  # not a strong reference: `of` keys its table by the model
         self.linears = [m for m in model.modules() if type(m) is nn.Linear]
         grouped = {id(m) for g in groups for m in g}
@@ -85,13 +104,19 @@ class PackedLinears:
 
     @classmethod
     def of(
-        cls, model: nn.Module, batch_hint: int = 32, groups: Sequence[Sequence[nn.Linear]] = ()
+        cls,
+        model: nn.Module,
+        batch_hint: int = 32,
+        groups: Sequence[Sequence[nn.Linear]] = (),
+        tied_head: str = "share",
     ) -> PackedLinears:
         """The packed linears of `model`, one set per model: engines over the same model (a training run's
-        rollout engine and its evaluation engine) share one packed copy of the weights."""
+        rollout engine and its evaluation engine) share one packed copy of the weights. `tied_head` is the
+        latest caller's (a released model keeps what it was packed with)."""
         packed = _PER_MODEL.get(model)
         if packed is None:
-            packed = _PER_MODEL[model] = cls(model, batch_hint, groups)
+            packed = _PER_MODEL[model] = cls(model, batch_hint, groups, tied_head)
+        packed.tied_head = checked_tied_head(tied_head)
         return packed
 
     @property
@@ -195,14 +220,9 @@ class PackedLinears:
         return freed
 
     def _tied(self, m: nn.Linear) -> bool:
-        """Whether `m` is an fp32 linear whose weight another module owns too: an LM head tied to the input
-        embeddings. Such a head runs oneDNN's linear on that matrix itself, with no packed copy: a packed
-        copy is opaque (no row can be read back for the token lookups), so the matrix was held twice
-        (+113 MB on the default model, +545 MB for Qwen2.5-0.5B in fp32). On the plain matrix oneDNN ran
-        the default model's head about as fast (2 AVX2 cores, in the engine, alternating, 6-9 generations
-        of 128 tokens: 0.97x the packed head's tokens/s at batch 8, 1.01x at 32; docs/BENCHMARKS.md).
-        Measured in fp32 only: other dtypes keep the packed copy."""
-        if m.weight.dtype != torch.float32:
+        """Whether `m`, with `tied_head` share, runs on its own weight, which another module owns too (an LM
+        head tied to the input embeddings)."""
+        if self.tied_head != "share":
             return False
         if self._shared is None:  # once per packing round (`drop` and `regroup` forget it)
             self._shared = self._shared_ptrs()
@@ -233,7 +253,7 @@ class PackedLinears:
 
     def _pack(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = tuple(id(m) for m in group)
-        state = tuple((m.weight._version, m.weight.data_ptr()) for m in group)
+        state = (self.tied_head, *((m.weight._version, m.weight.data_ptr()) for m in group))
         carriers = [self._carrier(m) for m in group] if self.merged is not None else []
         if any(carriers):  # the merged adapter's weights too
             state += (self.merged, *((p._version, p.data_ptr()) for c in carriers if c for p in c))

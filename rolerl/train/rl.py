@@ -530,7 +530,8 @@ def build_engines(
         engines[name] = Engine(model, m.tokenizer, max_batch=max_batch, max_len=max_len,
                                tools=build_tools(names, **kwargs), source=source,
                                kernels=cfg.rollout.kernels, attention=cfg.rollout.attention,
-                               adapter_kernel=cfg.rollout.adapter_kernel)  # fmt: skip
+                               adapter_kernel=cfg.rollout.adapter_kernel,
+                               tied_head=cfg.rollout.tied_head)  # fmt: skip
     return engines
 
 

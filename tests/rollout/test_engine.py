@@ -223,6 +223,41 @@ def test_scripted_tool_episodes_kinds_routes_and_logprobs(tiny):
     assert {r for t in turns for r in t.routes} == {0, 1, 2}, "three distinct adapters"
 
 
+@pytest.mark.parametrize("spare", [0, 7])
+def test_a_row_fills_its_cache_to_the_last_column(tiny, spare):
+    """The cache holds a row's positions but the last (sampled, never fed). A row whose tool output is cut to
+    the room left, and one that samples to its length, keep the teacher-forced log-probs: in a cache with no
+    column to spare (spare 0: the fed positions a multiple of 8), and with the fed positions one past a
+    multiple of 8 (spare 7: a cache sized one column short would round to 8 columns short and fail)."""
+    model, tok = tiny
+    prompt = prompt_ids(tok, "Question: what is it?\n")
+    script = prompt_ids(tok, SCRIPTS[0])
+    closed = next(c for c in range(len(script)) if tok.decode(script[: c + 1]).endswith("</code>")) + 1
+    fed = (8 - spare) % 8 or 8  # the positions a row feeds, prompt + completion - 1, are fed (mod 8)
+    kept = (fed - len(prompt) - closed) % 8 or 8  # tool-output tokens kept
+    plain = [script[i % len(script)] for i in range((fed - len(prompt) + 1) % 8 + 16)]
+    cases = [
+        (GenerationRequest(prompt, SamplingParams(seed=0, max_new_tokens=len(script)), tool="echo",
+                           max_total_tokens=len(prompt) + closed + kept + 1), script),
+        (GenerationRequest(prompt, SamplingParams(seed=0, max_new_tokens=len(plain), ignore_eos=True)), plain),
+    ]  # fmt: skip
+    for req, tokens in cases:
+        engine = Engine(
+            model, tok, max_batch=1, tools={"echo": EchoTool()}, sampler=scripted_sampler({0: tokens})
+        )
+        (turn,) = engine.generate([req])
+        engine.close()
+        total = len(prompt) + len(turn.completion_ids)
+        assert turn.finish_reason == "length" and (total - 1) % 8 == fed % 8
+        assert engine.cache.capacity == total - 1 + spare
+        if req.tool is not None:
+            (call,) = turn.tool_calls
+            assert call.start == closed and call.end - call.start == kept
+        forced = teacher_forced_logprobs(model, prompt + turn.completion_ids, [-1] * total, 1.0)
+        for got, want, kind in zip(turn.logprobs, forced[len(prompt) - 1 :], turn.kinds, strict=True):
+            assert math.isnan(got) if kind == "tool_output" else abs(got - want) < 1e-4
+
+
 # ---- batch invariance and continuous batching ----------------------------------------------------------
 
 

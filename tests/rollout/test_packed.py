@@ -102,27 +102,39 @@ def same_matrix(packed: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
 
 
-def test_a_tied_head_runs_on_the_embeddings_matrix_and_equals_f_linear():
+@pytest.mark.parametrize("tied_head", ["share", "copy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_head_runs_on_the_embeddings_matrix_unless_copied_and_equals_f_linear(dtype, tied_head):
+    if not onednn_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"no packed oneDNN linear for {dtype} on this CPU")
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.embed, model.head = torch.nn.Embedding(300, 64), torch.nn.Linear(64, 300, bias=False)
     model.head.weight = model.embed.weight  # tied
     model.other = torch.nn.Linear(64, 300, bias=False)  # same shape, its own weight: packed
-    packed = PackedLinears(model, batch_hint=32)
+    model.to(dtype)
+    packed = PackedLinears(model, batch_hint=32, tied_head=tied_head)
     (head, _), (other, _), *_ = packed.weights()
-    assert same_matrix(head, model.embed.weight)  # no copy
+    assert same_matrix(head, model.embed.weight) == (tied_head == "share")  # no copy unless asked
     assert not same_matrix(other, model.other.weight)
     for rows in (1, 7, 200):
-        x = torch.randn(rows, 64)
+        x = torch.randn(rows, 64).to(dtype)
         with torch.inference_mode(), packed():
             got = model.head(x)
         expected = F.linear(x.double(), model.embed.weight.double())
-        assert_close_ulps(got.double(), expected, ulps=64, dtype=torch.float32)  # a 64-term fp32 dot product
+        # fp32: a 64-term dot product; bf16: exact products summed in fp32, the output rounded to bf16 once
+        ulps = 64 if dtype == torch.float32 else 2
+        assert_close_ulps(got.double(), expected, ulps=ulps, dtype=dtype)
+    with pytest.raises(
+        ValueError, match=r"rollout.tied_head must be one of \('share', 'copy'\), got 'twice'"
+    ):
+        PackedLinears(model, tied_head="twice")
 
 
 def test_a_released_model_frees_its_weights_and_generates_the_same(tiny):
     model, tok = tiny
     with_adapters(model)
+    plain = copy.deepcopy(model)
     expected = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="onednn").generate(requests(tok, False))
     head = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
@@ -137,6 +149,15 @@ def test_a_released_model_frees_its_weights_and_generates_the_same(tiny):
     got = engine.generate(requests(tok, False))
     assert [t.completion_ids for t in got] == [t.completion_ids for t in expected]
     assert [t.logprobs for t in got] == [t.logprobs for t in expected]  # same packed ops, same order
+    if tied:  # asked to, a released model's head runs on a packed copy: the embeddings stay for the lookups
+        engine = Engine(plain, tok, max_batch=4, kernels="onednn", owns_model=True, tied_head="copy")
+        assert not same_matrix(engine.packed.weights()[-1][0], plain.get_output_embeddings().weight)
+        assert plain.get_input_embeddings().weight.numel()
+        for a, b in zip(engine.generate(requests(tok, False)), expected, strict=True):  # another GEMM layout
+            assert a.completion_ids == b.completion_ids  # random tiny models: wide margins, no near ties
+            assert_close_ulps(torch.tensor(a.logprobs), torch.tensor(b.logprobs), 4096, torch.float32)
+    with pytest.raises(ValueError, match="rollout.tied_head must be one of"):
+        Engine(model, tok, kernels="torch", tied_head="twice")  # refused whatever the kernels
 
 
 def test_rollout_copy_engine_releases_the_copy_not_the_trainer(tiny):
@@ -267,9 +288,10 @@ def up8(n: int) -> int:
 
 
 def test_kv_cache_is_sized_to_the_longest_request_and_never_held_twice(tiny, monkeypatch):
-    """Sized to the longest request joining (8-position multiples, not a power of two); a longer call with
-    nothing running frees the old cache before it allocates; growth under a running row grows by a quarter
-    and frees each of the old cache's layers as it copies them."""
+    """Sized to the longest request joining (its positions but the last, which is sampled and never fed;
+    8-position multiples, not a power of two); a longer call with nothing running frees the old cache before
+    it allocates; growth under a running row grows by a quarter and frees each of the old cache's layers as
+    it copies them."""
     model, tok = tiny
     engine = Engine(model, tok, max_batch=4)
     ids = tok.encode("Hello", add_special_tokens=False)
@@ -280,7 +302,7 @@ def test_kv_cache_is_sized_to_the_longest_request_and_never_held_twice(tiny, mon
 
     engine.generate([req(ids, 300), req(longer, 300)])  # the longer prompt is not first: sized for both
     first = engine.cache.capacity
-    assert first == up8(len(longer) + 300)
+    assert first == up8(len(longer) + 300 - 1)
 
     held = []
     real_init = KVCache.__init__
@@ -290,17 +312,17 @@ def test_kv_cache_is_sized_to_the_longest_request_and_never_held_twice(tiny, mon
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(KVCache, "__init__", spy)
-    engine.generate([req(ids, first)])
+    engine.generate([req(ids, first + 1)])  # needs len(ids) + first > first positions
     assert held == [None] and engine.cache.capacity == up8(len(ids) + first)
 
     engine = Engine(model, tok, max_batch=4)
     engine.submit(req(ids, 40))
     engine.step()
     old = engine.cache
-    assert old.capacity == up8(len(ids) + 40)
+    assert old.capacity == up8(len(ids) + 40 - 1)
     engine.submit(req(ids, 100, seed=1))
     engine.step()  # admitted while the first row runs: the cache grows and that row's keys move over
-    assert engine.cache.capacity == up8(max(len(ids) + 100, old.capacity + old.capacity // 4))
+    assert engine.cache.capacity == up8(max(len(ids) + 100 - 1, old.capacity + old.capacity // 4))
     assert all(t.numel() == 0 for t in (*old.k, *old.v))  # every old layer freed
 
 
