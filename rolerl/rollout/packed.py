@@ -116,7 +116,8 @@ class PackedLinears:
         packed = _PER_MODEL.get(model)
         if packed is None:
             packed = _PER_MODEL[model] = cls(model, batch_hint, groups, tied_head)
-        packed.tied_head = checked_tied_head(tied_head)
+        else:
+            packed.tied_head = checked_tied_head(tied_head)
         return packed
 
     @property

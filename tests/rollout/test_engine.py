@@ -233,7 +233,7 @@ def test_a_row_fills_its_cache_to_the_last_column(tiny, spare):
     prompt = prompt_ids(tok, "Question: what is it?\n")
     script = prompt_ids(tok, SCRIPTS[0])
     closed = next(c for c in range(len(script)) if tok.decode(script[: c + 1]).endswith("</code>")) + 1
-    fed = (8 - spare) % 8 or 8  # the positions a row feeds, prompt + completion - 1, are fed (mod 8)
+    fed = (8 - spare) % 8 or 8  # the positions a row feeds (prompt + completion - 1), modulo 8, 8 for 0
     kept = (fed - len(prompt) - closed) % 8 or 8  # tool-output tokens kept
     plain = [script[i % len(script)] for i in range((fed - len(prompt) + 1) % 8 + 16)]
     cases = [
