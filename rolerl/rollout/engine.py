@@ -35,7 +35,7 @@ from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_bat
 from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention
 from rolerl.rollout.packed import PackedLinears, checked_tied_head, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
-from rolerl.rollout.sampling import sample
+from rolerl.rollout.sampling import Sampler
 from rolerl.tools.base import Tool
 from rolerl.types import Turn
 
@@ -73,7 +73,7 @@ class Engine:
         max_tokens: int | None = None,
         tools: Mapping[str, Tool] | None = None,
         tool_workers: int = 8,
-        sampler=sample,
+        sampler=None,
         source=None,
         kernels: str = "auto",
         attention: str = "auto",
@@ -82,8 +82,8 @@ class Engine:
         owns_model: bool | None = None,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
-        `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`;
-        tests replace it with a script to drive exact token sequences (teacher forcing) through the
+        `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`
+        (None: a `rolerl.rollout.sampling.Sampler` of the engine's own); tests replace it with a script to drive exact token sequences (teacher forcing) through the
         real engine. `source`: the trainer's model when `model` is a copy in another dtype (`rollout_copy`):
         `sync()` copies its adapters in. `kernels`: `onednn` runs the linear layers on weights packed once
         for oneDNN (`rolerl.rollout.packed`; CPU only), `torch` on `F.linear`, `auto` = `onednn` where
@@ -97,7 +97,7 @@ class Engine:
         with packed kernels its plain linear weights are freed (the packed copies replace them)."""
         self.model, self.tokenizer = model, tokenizer
         self.source = source
-        self.sampler = sampler
+        self.sampler = Sampler() if sampler is None else sampler
         self.max_batch, self.max_len = max_batch, max_len or _model_max_len(model)
         self._warned_room = False
         self.max_tokens = max_tokens  # token budget: the sum of active rows' maximum lengths
@@ -237,14 +237,16 @@ class Engine:
         self.waiting.clear()
 
     def sleep(self) -> None:
-        """Between rollouts (while the trainer updates): free what only sampling needs, the KV cache and the
-        packed copy of weights that the trainer holds too, or that a rollout copy packs again from the
-        trainer's weights (`PackedLinears.drop`); the next request allocates and packs them again. A
-        generation-only model the engine owns keeps its packed weights (they are its only weights). Refused
-        with requests in flight."""
+        """Between rollouts (while the trainer updates): free what only sampling needs, the KV cache, the
+        sampler's scratch and the packed copy of weights that the trainer holds too, or that a rollout copy
+        packs again from the trainer's weights (`PackedLinears.drop`); the next request allocates and packs
+        them again. A generation-only model the engine owns keeps its packed weights (they are its only
+        weights). Refused with requests in flight."""
         if self.has_work:
             raise RuntimeError("engine.sleep() with requests in flight")
         self.cache = None
+        if isinstance(self.sampler, Sampler):
+            self.sampler.release()
         if self.lean is not None:
             self.lean.sleep()
         if self.packed is not None:

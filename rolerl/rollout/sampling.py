@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn import functional as F
 
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64 multipliers as signed int64 (torch has no uint64 mul)
 _M2 = 0x94D049BB133111EB - (1 << 64)
@@ -72,29 +71,47 @@ def sample(
     params: list[SamplingParams],
     seeds: torch.Tensor,  # (B,) long
     counters: torch.Tensor,  # (B,) long
+    scratch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return `(tokens (B,), logprobs (B,))`; each row is computed from its own logits and uniform only.
 
     Few passes over the `(B, V)` logits, each one a read of 6 MB at batch 32 x 49k vocabulary (a decode
-    step's sampling is bound by them): the row max, `exp(z - max)` into one new fp32 tensor, and its
-    per-block sums, from which come the log-sum-exp and the draw (the CDF needs no normalising). bf16
-    logits are read as they are: the max is exact in bf16 and `z - max` promotes to fp32.
+    step's sampling is bound by them): the row max, `exp(z - max)` into one fp32 tensor, and its per-block
+    sums, from which come the log-sum-exp and the draw (the CDF needs no normalising). bf16 logits are read
+    as they are: the max is exact in bf16 and `z - max` promotes to fp32.
+
+    `scratch`: fp32 (fp64 for fp64 logits), at least `B * scratch_size(V)` elements, holds those terms (the engine's `Sampler`
+    keeps one across steps: on a VM a fresh 6 MB tensor per step costs more in page faults than its
+    arithmetic); none = a new one. The results do not depend on it, bit for bit.
 
     One uniform per row: unfiltered rows walk the CDF in vocabulary order, rows with top-k / top-p in
     descending-probability order. A row's order depends on its own parameters only, never on its batch
     neighbours', so the same request draws the same token alone or in any batch."""
+    b, vocab = logits.shape
+    width = scratch_size(vocab)
+    nb = width // _BLOCK
+    work = working_dtype(logits.dtype)
+    if scratch is None:
+        scratch = torch.empty(b * width, dtype=work, device=logits.device)
+    elif scratch.dtype != work or scratch.device != logits.device or scratch.numel() < b * width:
+        raise ValueError(
+            f"scratch must be {work} on {logits.device} with at least {b * width} elements; got "
+            f"{scratch.dtype} on {scratch.device} with {scratch.numel()}"
+        )
+    e = scratch[: b * width].view(b, width)
+    e[:, vocab:] = 0  # the last block's padding: zero mass, never drawn
+    terms = e[:, :vocab]
     scales = [p.scale for p in params]
-    z = (
-        logits
-        if all(t == 1.0 for t in scales)
-        else logits.float() / torch.tensor(scales, device=logits.device)[:, None]
-    )
-    b, vocab = z.shape
-    nb = -(-vocab // _BLOCK)
-    top = z.amax(-1, keepdim=True).float()  # (B, 1)
-    e = torch.sub(z, top).exp_()  # (B, V) fp32, the largest term of each row is 1
-    if nb * _BLOCK != vocab:
-        e = F.pad(e, (0, nb * _BLOCK - vocab))  # zero mass: never drawn
+    if all(t == 1.0 for t in scales):
+        z = logits  # (B, V), bf16 stays bf16: its max is exact
+        top = z.amax(-1, keepdim=True).to(work)  # (B, 1)
+        terms.copy_(z).sub_(top)  # the same as torch.sub(z, top), which widens z into a temporary first
+    else:
+        temperature = torch.tensor(scales, dtype=work, device=logits.device)[:, None]
+        z = torch.div(logits, temperature, out=terms)  # logits / T, in fp32 (fp64 logits: fp64)
+        top = z.amax(-1, keepdim=True)
+        terms.sub_(top)
+    terms.exp_()  # the largest term of each row is 1
     sums = e.view(b, nb, _BLOCK).sum(-1)  # (B, nb)
     lse = top.squeeze(1) + sums.sum(-1).log()  # (B,): logp = z - lse, the untruncated log_softmax
     tokens = torch.empty(b, dtype=torch.long, device=logits.device)
@@ -110,9 +127,53 @@ def sample(
             tokens[plain] = _blocked_inverse_cdf(e[rows], sums[rows], u[plain])
         filtered = [i for i in sampled if not (params[i].top_k == 0 and params[i].top_p >= 1)]
         if filtered:
-            logp = z[filtered].float() - lse[filtered, None]
+            logp = _scaled(logits[filtered], scales, filtered) - lse[filtered, None]
             tokens[filtered] = _filtered(logp, [params[i] for i in filtered], u[filtered])
-    return tokens, z.gather(1, tokens[:, None]).squeeze(1).float() - lse
+    # z at the drawn tokens, from the logits (`e` now holds exp(z - max)): the same division, bit for bit
+    return tokens, _scaled(logits.gather(1, tokens[:, None]), scales).squeeze(1) - lse
+
+
+def scratch_size(vocab: int) -> int:
+    """The scratch elements `sample` needs per row of a `vocab`-wide batch (the vocabulary, padded to blocks)."""
+    return -(-vocab // _BLOCK) * _BLOCK
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `sample` computes in for logits of `dtype`: fp32, or fp64 for fp64 logits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scaled(z: torch.Tensor, scales: list[float], rows: list[int] | None = None) -> torch.Tensor:
+    """`z / T` row by row in the working dtype, as `sample` computed it for the whole batch (the same IEEE
+    division)."""
+    if rows is not None:
+        scales = [scales[i] for i in rows]
+    work = working_dtype(z.dtype)
+    if all(t == 1.0 for t in scales):
+        return z.to(work)
+    return z.to(work) / torch.tensor(scales, dtype=work, device=z.device)[:, None]
+
+
+class Sampler:
+    """`sample` with its scratch kept from one call to the next (the engine's default sampler): a decode
+    step reuses the last step's buffer instead of faulting in a fresh one. `release()` frees it (the engine
+    does between rollouts)."""
+
+    def __init__(self) -> None:
+        self.scratch: torch.Tensor | None = None
+
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor, counters: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        need, work = logits.shape[0] * scratch_size(logits.shape[1]), working_dtype(logits.dtype)
+        old = self.scratch
+        if old is None or old.numel() < need or old.device != logits.device or old.dtype != work:
+            self.scratch = old = None  # the old one freed before the new one is taken
+            self.scratch = torch.empty(need, dtype=work, device=logits.device)
+        return sample(logits, params, seeds, counters, self.scratch)
+
+    def release(self) -> None:
+        self.scratch = None
 
 
 _BLOCK = 128

@@ -423,14 +423,19 @@ def test_decode_attention_equals_sdpa_on_a_strided_cache(groups):
     assert torch.allclose(got[0], v[0, :, :1].expand(kv_heads, groups, d))  # one visible key: its value
 
 
-def test_sleep_frees_the_cache_and_the_packed_copy_and_the_next_turns_are_the_same(tiny):
+def test_sleep_frees_the_cache_the_scratch_and_the_packed_copy_and_the_next_turns_are_the_same(tiny):
     model, tok = tiny
     with_adapters(model)
     engine = Engine(model, tok, max_batch=4, kernels="onednn")  # the trainer's model: a packed copy
     first = engine.generate(requests(tok, False))
-    assert engine.cache is not None and engine.packed._packed
+    scratch = engine.sampler.scratch  # the sampler's (B, V) terms, one buffer for every step
+    assert engine.cache is not None and engine.packed._packed and scratch is not None
+    assert [t.completion_ids for t in engine.generate(requests(tok, False))] == [
+        t.completion_ids for t in first
+    ]
+    assert engine.sampler.scratch is scratch
     engine.sleep()
-    assert engine.cache is None and not engine.packed._packed
+    assert engine.cache is None and not engine.packed._packed and engine.sampler.scratch is None
     again = engine.generate(requests(tok, False))  # allocates and packs again
     assert engine.packed._packed
     assert [t.completion_ids for t in again] == [t.completion_ids for t in first]

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rolerl.rollout.sampling import _BLOCK, SamplingParams, _blocked_inverse_cdf, counter_uniform, sample
+from rolerl.rollout.sampling import (
+    _BLOCK,
+    Sampler,
+    SamplingParams,
+    _blocked_inverse_cdf,
+    counter_uniform,
+    sample,
+    scratch_size,
+    working_dtype,
+)
 from tests.tolerance import assert_close_ulps
 
 
@@ -93,3 +103,49 @@ def test_a_target_rounded_up_to_the_total_draws_the_last_token_with_mass():
     sums = mass.view(1, 3, _BLOCK).sum(-1)
     token = _blocked_inverse_cdf(mass, sums, torch.tensor([1 - 2.0**-53], dtype=torch.float64))
     assert token.item() == _BLOCK + 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_kept_scratch_changes_no_bit_whatever_it_held(dtype):
+    """The engine's `Sampler` keeps its scratch from one step to the next: a batch with a narrower
+    vocabulary, fewer rows, or a buffer full of garbage (NaN, huge values; a previous batch's terms in the
+    last block's padding) samples exactly what a fresh buffer samples, greedy, tempered, top-k and top-p rows
+    alike."""
+    torch.manual_seed(4)
+    params = [
+        SamplingParams(seed=i, temperature=[1.0, 0.7, 0.0, 1.3][i % 4], top_k=[0, 0, 0, 0, 40][i % 5],
+                       top_p=[1.0, 1.0, 0.9][i % 3])
+        for i in range(10)
+    ]  # fmt: skip
+    plain = [SamplingParams(seed=i) for i in range(10)]  # the common case: every row at T = 1, unfiltered
+    sampler = Sampler()
+    sampler(torch.randn(16, 4 * _BLOCK).to(dtype), [SamplingParams()] * 16, torch.arange(16), torch.zeros(16))
+    sampler.scratch.fill_(1e30)  # every element a previous batch's term could have left
+    garbage = torch.full((10 * scratch_size(300),), float("nan"), dtype=working_dtype(dtype))
+    for vocab in (300, 2 * _BLOCK):  # the padded block's zeros are rewritten on every call
+        for ps in (params, plain):
+            logits = (torch.randn(10, vocab) * 3).to(dtype)
+            seeds, counters = torch.arange(10), torch.full((10,), 9)
+            want_tokens, want_logp = sample(logits, ps, seeds, counters)
+            for got_tokens, got_logp in (sampler(logits, ps, seeds, counters),
+                                         sample(logits, ps, seeds, counters, garbage)):  # fmt: skip
+                assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logp, want_logp)
+            scale = torch.tensor([p.scale for p in ps], dtype=working_dtype(dtype))[:, None]
+            want = torch.log_softmax(logits.to(working_dtype(dtype)) / scale, -1).gather(
+                1, want_tokens[:, None]
+            )[:, 0]
+            assert_close_ulps(want_logp, want, ulps=8)  # and right, not only equal
+    assert sampler.scratch.numel() == 16 * 4 * _BLOCK  # kept, not reallocated for a smaller batch
+    sampler.release()
+    assert sampler.scratch is None
+
+
+def test_a_scratch_that_cannot_hold_the_terms_is_refused():
+    logits = torch.randn(2, 300)
+    args = (logits, [SamplingParams()] * 2, torch.arange(2), torch.zeros(2))
+    for bad in (
+        torch.empty(2 * scratch_size(300) - 1),
+        torch.empty(2 * scratch_size(300), dtype=torch.float64),
+    ):
+        with pytest.raises(ValueError, match=f"torch.float32 on cpu with at least {2 * 384} elements"):
+            sample(*args, bad)
