@@ -107,6 +107,7 @@ def child(
     attention: str = "auto",
     adapter_kernel: str = "auto",
     tied_head: str = "share",
+    pointwise: str = "auto",
 ) -> dict:
     """One side of one cell. `eos`: stop rows at EOS (variable lengths, as RL produces) and count the tokens
     up to and including each row's EOS; else every row generates exactly `new` tokens. The warm-up
@@ -167,6 +168,7 @@ def child(
             attention=attention,
             adapter_kernel=adapter_kernel,
             tied_head=tied_head,
+            pointwise=pointwise,
             owns_model=row != "policy",
         )
 
@@ -299,6 +301,12 @@ def main() -> None:
         help="rolerl's LM head tied to the embeddings: on that matrix, or on a packed copy",
     )
     p.add_argument(
+        "--pointwise",
+        default="auto",
+        choices=["auto", "native", "torch"],
+        help="rolerl's residual adds and RMSNorms",
+    )
+    p.add_argument(
         "--skip-tools", action="store_true", help="skip case 2 (same as leaving it out of --cases)"
     )
     p.add_argument("--json", action="store_true")
@@ -310,7 +318,7 @@ def main() -> None:
         side, row, dtype, batch = args.child
         res = child(
             side, row, dtype, int(batch), args.new_tokens, args.runs, args.eos, args.kernels, args.attention,
-            args.adapter_kernel, args.tied_head,
+            args.adapter_kernel, args.tied_head, args.pointwise,
         )  # fmt: skip
         print(json.dumps(res))
         return
@@ -330,6 +338,8 @@ def main() -> None:
         args.adapter_kernel,
         "--tied-head",
         args.tied_head,
+        "--pointwise",
+        args.pointwise,
     ]
     common = ["--runs", str(args.runs), "--kernels", args.kernels, *native]
     summary: dict = {
@@ -340,6 +350,7 @@ def main() -> None:
         "attention": args.attention,
         "adapter_kernel": args.adapter_kernel,
         "tied_head": args.tied_head,
+        "pointwise": args.pointwise,
         "threads": int(os.environ.get("BENCH_THREADS", "2")),
         "machine": describe(),  # every figure says which CPU it came from
     }

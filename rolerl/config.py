@@ -189,6 +189,10 @@ class RolloutConfig(Section):
     # on that matrix; copy = on a packed copy of it (the matrix held twice: +57 MB for the default model in
     # bf16, +545 MB for Qwen2.5-0.5B in fp32; a faster decode step on some CPUs). docs/ROLLOUT.md
     tied_head: Literal["share", "copy"] = "share"
+    # the residual adds and RMSNorms of the engine's own decoder on CPU: native = one call of a C kernel built
+    # with the attention's per norm, where torch runs eight small ops; torch = HF's modules; auto = native
+    # where it builds. docs/ROLLOUT.md
+    pointwise: Literal["auto", "native", "torch"] = "auto"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
     # in this process) and served_model (its base model's name; default: the first it lists)

@@ -111,6 +111,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         attention=cfg.rollout.attention,
         adapter_kernel=cfg.rollout.adapter_kernel,
         tied_head=cfg.rollout.tied_head,
+        pointwise=cfg.rollout.pointwise,
     )
     held_out = {
         "format": fmt.examples("test", settings.eval_format, settings.seed),

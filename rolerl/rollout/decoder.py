@@ -29,6 +29,8 @@ from rolerl.rollout.packed import PackedLinears, packed_linear
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # the most rows (tokens) of a forward whose routed adapters go through the native kernel (`_native_step`)
 NATIVE_ROWS = 128
+# HF's RMSNorm classes of those families (one formula, `LlamaRMSNorm.forward`): the native kernel's
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 _PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -93,6 +95,7 @@ class LeanDecoder:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         self.model = model
         self.adapter_kernel = None  # a native kernel for the routed adapters of decode steps (the engine's)
+        self.pointwise = None  # a native kernel for the residual adds and RMSNorms (the engine's)
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         _, self.q_heads, self.kv_heads, self.head_dim = attention_shape(model.config)
@@ -131,6 +134,8 @@ class LeanDecoder:
                 )
             )  # fmt: skip
         self.groups.append((self.model.get_output_embeddings(),))
+        norms = [m for layer in self.layers for m in (layer.norm1, layer.norm2)] + [self.norm]
+        self._native_norms = {id(m) for m in norms if _plain_rms_norm(m)}
 
     def __call__(self, ids: torch.Tensor, layout: Batch | Layout) -> torch.Tensor:
         """Hidden states after the final norm: `(B, T, d)` for `(B, T)` ids over a `Batch` or a dense
@@ -158,9 +163,11 @@ class LeanDecoder:
         def rope(h: torch.Tensor) -> torch.Tensor:  # (B, T, heads, D)
             return h * cos + h.roll(half, -1) * sin
 
+        add_norm = self._add_norm
+        out = None  # the last sublayer's output, added to the residual stream by the next norm's call
         for layer in self.layers:
             qkv_w, o_w, gu_w, down_w = weights[4 * layer.index : 4 * layer.index + 4]
-            h = layer.norm1(x)
+            x, h = add_norm(layer.norm1, x, out)
             qkv = layer.qkv_adapters.add_(h, packed_linear(h, *qkv_w), merged, native)
             qkv = qkv.view(b, t, hq + 2 * hkv, d)
             if layer.q_norm is not None:
@@ -169,13 +176,24 @@ class LeanDecoder:
                 qk = rope(qkv[:, :, : hq + hkv])
                 q, k = qk[:, :, :hq], qk[:, :, hq:]
             h = attend_layout(layout, layer.index, q, k, qkv[:, :, hq + hkv :], layer.scaling)  # (B, T, H D)
-            x = x + layer.o_adapter.add_(h, packed_linear(h, *o_w), merged, native)  # HF: residual + output
-            h = layer.norm2(x)
+            out = layer.o_adapter.add_(h, packed_linear(h, *o_w), merged, native)
+            x, h = add_norm(layer.norm2, x, out)
             gu = layer.gate_up_adapters.add_(h, packed_linear(h, *gu_w), merged, native)  # (B, T, 2 I)
             inner = gu.shape[-1] // 2
             h = layer.act(gu[..., :inner]).mul_(gu[..., inner:])
-            x = x + layer.down_adapter.add_(h, packed_linear(h, *down_w), merged, native)
-        return self.norm(x)
+            out = layer.down_adapter.add_(h, packed_linear(h, *down_w), merged, native)
+        return add_norm(self.norm, x, out)[1]
+
+    def _add_norm(
+        self, norm: nn.Module, x: torch.Tensor, out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's residual add `x + out` (none before the first layer) and `norm` of the sum: `(sum, normed)`, in
+        one call of the native kernel (`pointwise`) where `norm` is HF's RMSNorm in the stream's dtype."""
+        if self.pointwise is not None and id(norm) in self._native_norms and norm.weight.dtype == x.dtype:
+            return self.pointwise.rms_norm(x, norm.weight, norm.variance_epsilon, out)
+        if out is not None:
+            x = x + out  # HF: residual + output
+        return x, norm(x)
 
     def _merged(self) -> int | None:
         """The index of the adapter merged into the packed weights (None: the plain base weights). The first
@@ -217,6 +235,20 @@ class LeanDecoder:
         for layer in self.layers:
             for group in (layer.qkv_adapters, layer.o_adapter, layer.gate_up_adapters, layer.down_adapter):
                 group.release()
+
+
+def _plain_rms_norm(m: nn.Module) -> bool:
+    """Whether `m` computes HF's RMSNorm as written (`norm.c` does the same): one of the families' classes,
+    its forward transformers' own (not replaced on the class or the instance), a 1-D weight, a float eps."""
+    forward = getattr(type(m), "forward", None)
+    return (
+        type(m).__name__ in _RMS_NORMS
+        and getattr(forward, "__module__", "").startswith("transformers.models.")
+        and "forward" not in m.__dict__
+        and isinstance(getattr(m, "variance_epsilon", None), float)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.dim() == 1
+    )
 
 
 def _adapters(*modules: nn.Module) -> FusedAdapters:

@@ -32,7 +32,7 @@ from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
 from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_batch, make_layout
-from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention
+from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention, resolve_pointwise
 from rolerl.rollout.packed import PackedLinears, checked_tied_head, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import Sampler
@@ -79,6 +79,7 @@ class Engine:
         attention: str = "auto",
         adapter_kernel: str = "auto",
         tied_head: str = "share",
+        pointwise: str = "auto",
         owns_model: bool | None = None,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
@@ -93,6 +94,7 @@ class Engine:
         (`native`: each row through its own adapter in C; `torch`: masked GEMMs over every adapter's ranks).
         `tied_head`: with packed kernels, an LM head tied to the input embeddings runs on that matrix
         (`share`) or on a packed copy of it (`copy`: faster on some CPUs, the matrix held twice).
+        `pointwise`: the residual adds and RMSNorms of the engine's own decoder in C (`native`) or torch's ops.
         `owns_model` (default: True with a `source`): nothing but this engine runs `model`, so
         with packed kernels its plain linear weights are freed (the packed copies replace them)."""
         self.model, self.tokenizer = model, tokenizer
@@ -125,20 +127,17 @@ class Engine:
             if self.kernels == "onednn" and lean_support(model) is None
             else None
         )
-        self.adapter_kernel = resolve_adapter_kernel(adapter_kernel, self.device)
-        if self.adapter_kernel is not None:
-            why = None
-            if self.lean is None:
-                why = "runs on the engine's own decoder only (rollout.kernels onednn, a Llama-family model)"
-            elif self.dtype not in (torch.float32, torch.bfloat16):
-                why = f"does not cover dtype {self.dtype} (float32 or bfloat16)"
-            if why is not None and adapter_kernel == "native":
-                raise ValueError(f"rollout.adapter_kernel 'native' {why}; use 'auto'")
-            if why is not None:
-                log.info("the native adapter kernel %s; the engine uses torch's GEMMs", why)
-                self.adapter_kernel = None
+        self.adapter_kernel = self._lean_kernel(
+            resolve_adapter_kernel(adapter_kernel, self.device),
+            adapter_kernel,
+            "adapter_kernel",
+            "torch's GEMMs",
+        )
+        self.pointwise = self._lean_kernel(
+            resolve_pointwise(pointwise, self.device), pointwise, "pointwise", "torch's ops"
+        )
         if self.lean is not None:
-            self.lean.adapter_kernel = self.adapter_kernel
+            self.lean.adapter_kernel, self.lean.pointwise = self.adapter_kernel, self.pointwise
             self.packed = self.lean.packed
         else:
             onednn = self.kernels == "onednn"
@@ -159,6 +158,23 @@ class Engine:
         self.waiting: deque[_Row] = deque()
         self._next_handle = 0
         self.stats = {"forward_s": 0.0, "sample_s": 0.0, "steps": 0, "decode_rows": 0, "tool_calls": 0}
+
+    def _lean_kernel(self, kernel, setting: str, field: str, instead: str):
+        """`kernel` (a native kernel for the engine's own decoder, resolved from `rollout.<field>`) where that
+        decoder runs in a dtype it covers; else None, or an error where `setting` asked for native."""
+        if kernel is None:
+            return None
+        why = None
+        if self.lean is None:
+            why = "runs on the engine's own decoder only (rollout.kernels onednn, a Llama-family model)"
+        elif self.dtype not in (torch.float32, torch.bfloat16):
+            why = f"does not cover dtype {self.dtype} (float32 or bfloat16)"
+        if why is not None and setting == "native":
+            raise ValueError(f"rollout.{field} 'native' {why}; use 'auto'")
+        if why is not None:
+            log.info("rollout.%s native %s; the engine uses %s", field, why, instead)
+            return None
+        return kernel
 
     # ---- public API -------------------------------------------------------------------------------------
 

@@ -531,7 +531,7 @@ def build_engines(
                                tools=build_tools(names, **kwargs), source=source,
                                kernels=cfg.rollout.kernels, attention=cfg.rollout.attention,
                                adapter_kernel=cfg.rollout.adapter_kernel,
-                               tied_head=cfg.rollout.tied_head)  # fmt: skip
+                               tied_head=cfg.rollout.tied_head, pointwise=cfg.rollout.pointwise)  # fmt: skip
     return engines
 
 

@@ -44,7 +44,7 @@ from rolerl.models.lora import group_rows
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_attention.c", HERE / "lora.c")
+SOURCES = (HERE / "decode_attention.c", HERE / "lora.c", HERE / "norm.c")
 HEADERS = (HERE / "lanes.h",)
 # no -ffast-math or reassociation: the kernel spells its vector sums out (reduce_lanes), so the compiler
 # keeps IEEE semantics (NaN and inf mean what they say) at no cost
@@ -54,8 +54,8 @@ ATTENTION = ("auto", "native", "torch")
 
 
 class NativeKernel:
-    """The loaded library: `decode_attention(q, k, v, slots, positions, scale)` and
-    `lora_add(x, y, tables, terms, factors)`."""
+    """The loaded library: `decode_attention(q, k, v, slots, positions, scale)`,
+    `lora_add(x, y, tables, terms, factors)` and `rms_norm(x, weight, eps, add)`."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -70,7 +70,10 @@ class NativeKernel:
             [ptr, ptr] + [i64] * 5 + [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, cint, cint]
         )
         lora.restype = i64
-        self.path, self._fn, self._lora = path, fn, lora
+        norm = lib.rolerl_rms_norm
+        norm.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, cint, cint]
+        norm.restype = None
+        self.path, self._fn, self._lora, self._norm = path, fn, lora, norm
         self.max_head_dim, self.max_groups, self.isa = limit(0), limit(1), limit(2)
 
     def covers(self, dtype: torch.dtype, head_dim: int, groups: int) -> str | None:
@@ -176,6 +179,39 @@ class NativeKernel:
         step.add_(x.contiguous(), y, tables)
         return y
 
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's RMSNorm of `x` `(..., d)` (`weight * round(x * rsqrt(mean(x^2) + eps))`, `norm.c`), after the
+        residual add `x + add` when `add` is given: returns `(x + add, its norm)` (`(x, its norm)` without
+        `add`). One dtype throughout (float32 or bfloat16), CPU."""
+        d = x.shape[-1]
+        if (
+            x.dtype not in DTYPES
+            or x.device.type != "cpu"
+            or weight.shape != (d,)
+            or weight.dtype != x.dtype
+            or weight.device.type != "cpu"
+            or (
+                add is not None and (add.shape != x.shape or add.dtype != x.dtype or add.device.type != "cpu")
+            )
+        ):
+            raise ValueError(
+                f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+                + (f", add {tuple(add.shape)} {add.dtype}" if add is not None else "")
+                + " are not (..., d), (d,) and (..., d) of one dtype (float32 or bfloat16) on CPU"
+            )
+        x, weight = x.contiguous(), weight.contiguous()
+        add = add.contiguous() if add is not None else None  # held until the call returns
+        out = torch.empty_like(x)
+        total = torch.empty_like(x) if add is not None else x
+        rows = x.numel() // d if d else 0
+        self._norm(
+            x.data_ptr(), add.data_ptr() if add is not None else None, total.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), rows, d, eps, DTYPES[x.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return total, out
+
     def step(self, rows: int, terms: tuple[torch.Tensor, ...] | None, dtype: torch.dtype) -> NativeStep:
         """One decode forward's adapter calls over `rows` rows (`NativeStep`)."""
         return NativeStep(self, rows, terms, dtype)
@@ -275,6 +311,13 @@ def resolve_adapter_kernel(setting: str, device: torch.device) -> NativeKernel |
     """`rollout.adapter_kernel`: the routed adapters of a decode step in `lora.c` (`native`; an error where
     it cannot be built) or in torch's GEMMs (`torch`); `auto` = native where it builds with AVX2 or AVX-512."""
     return _resolve(setting, device, "rollout.adapter_kernel")
+
+
+def resolve_pointwise(setting: str, device: torch.device) -> NativeKernel | None:
+    """`rollout.pointwise`: the residual adds and RMSNorms of the engine's own decoder in `norm.c` (`native`;
+    an error where it cannot be built) or in torch's ops (`torch`); `auto` = native where it builds with AVX2
+    or AVX-512."""
+    return _resolve(setting, device, "rollout.pointwise")
 
 
 def _resolve(setting: str, device: torch.device, field: str) -> NativeKernel | None:
