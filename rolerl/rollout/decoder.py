@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rolerl.models.lora import FusedAdapters, RoutedLoRALinear
-from rolerl.rollout.kv import Batch, Layout, attend_layout, attention_shape
+from rolerl.rollout.kv import Batch, Layout, attend_layout, attention_shape, decode_step, fused_decode
 from rolerl.rollout.native import NativeStep
 from rolerl.rollout.packed import PackedLinears, packed_linear
 
@@ -163,6 +163,11 @@ class LeanDecoder:
         def rope(h: torch.Tensor) -> torch.Tensor:  # (B, T, heads, D)
             return h * cos + h.roll(half, -1) * sin
 
+        # a decode step on the native attention: RoPE, the cache writes and attention in one call per layer
+        fused = self.layers[0].q_norm is None and fused_decode(layout.dense, x.dtype, d, hq // hkv)
+        if fused:
+            cos_rows, sin_rows = cos.reshape(b, d), sin.reshape(b, d)
+
         add_norm = self._add_norm
         out = None  # the last sublayer's output, added to the residual stream by the next norm's call
         for layer in self.layers:
@@ -170,12 +175,17 @@ class LeanDecoder:
             x, h = add_norm(layer.norm1, x, out)
             qkv = layer.qkv_adapters.add_(h, packed_linear(h, *qkv_w), merged, native)
             qkv = qkv.view(b, t, hq + 2 * hkv, d)
-            if layer.q_norm is not None:
-                q, k = rope(layer.q_norm(qkv[:, :, :hq])), rope(layer.k_norm(qkv[:, :, hq : hq + hkv]))
+            if fused:
+                h = decode_step(layout.dense, layer.index, qkv, cos_rows, sin_rows, layer.scaling)
             else:
-                qk = rope(qkv[:, :, : hq + hkv])
-                q, k = qk[:, :, :hq], qk[:, :, hq:]
-            h = attend_layout(layout, layer.index, q, k, qkv[:, :, hq + hkv :], layer.scaling)  # (B, T, H D)
+                if layer.q_norm is not None:
+                    q, k = rope(layer.q_norm(qkv[:, :, :hq])), rope(layer.k_norm(qkv[:, :, hq : hq + hkv]))
+                else:
+                    qk = rope(qkv[:, :, : hq + hkv])
+                    q, k = qk[:, :, :hq], qk[:, :, hq:]
+                h = attend_layout(
+                    layout, layer.index, q, k, qkv[:, :, hq + hkv :], layer.scaling
+                )  # (B, T, H D)
             out = layer.o_adapter.add_(h, packed_linear(h, *o_w), merged, native)
             x, h = add_norm(layer.norm2, x, out)
             gu = layer.gate_up_adapters.add_(h, packed_linear(h, *gu_w), merged, native)  # (B, T, 2 I)

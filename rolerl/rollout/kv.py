@@ -213,6 +213,29 @@ def attend_layout(layout: Layout, layer: int, q, k, v, scaling: float | None = N
     return out[None]
 
 
+def fused_decode(batch: Batch | None, dtype: torch.dtype, head_dim: int, groups: int) -> bool:
+    """Whether a forward over `batch` (None: a flat layout) is a decode step that `decode_step` runs in one
+    native call per layer: one new token per row, the native attention on, a cache in `dtype` it covers."""
+    native = batch.cache.native if batch is not None else None
+    if native is None or batch.positions.shape[1] != 1:
+        return False
+    k = batch.cache.k[0]
+    return k.dtype == dtype and k.stride(-1) == 1 and native.covers(dtype, head_dim, groups) is None
+
+
+def decode_step(batch: Batch, layer: int, qkv, cos, sin, scaling: float | None = None) -> torch.Tensor:
+    """A decode step's RoPE, cache writes and attention for `layer` in one native call (`fused_decode`): qkv
+    `(B, 1, heads of q, k and v, D)` as the fused projection gives it, cos and sin `(B, D)` (sin's first half
+    negated). Returns `(B, 1, H * D)`."""
+    b, _, _, d = qkv.shape
+    scale = d**-0.5 if scaling is None else scaling
+    k, v = batch.cache.k[layer], batch.cache.v[layer]
+    out = batch.cache.native.decode_step(
+        qkv, cos, sin, k, v, batch.slots, batch.positions, batch.writes, scale
+    )
+    return out.view(b, 1, -1)
+
+
 _current: Batch | None = None
 
 

@@ -54,8 +54,9 @@ ATTENTION = ("auto", "native", "torch")
 
 
 class NativeKernel:
-    """The loaded library: `decode_attention(q, k, v, slots, positions, scale)`,
-    `lora_add(x, y, tables, terms, factors)` and `rms_norm(x, weight, eps, add)`."""
+    """The loaded library: `decode_attention(q, k, v, slots, positions, scale)`, `decode_step(qkv, cos, sin,
+    k, v, slots, positions, writes, scale)`, `lora_add(x, y, tables, terms, factors)` and `rms_norm(x, weight,
+    eps, add)`."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -70,6 +71,10 @@ class NativeKernel:
             [ptr, ptr] + [i64] * 5 + [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, cint, cint]
         )
         lora.restype = i64
+        step = lib.rolerl_decode_step
+        step.argtypes = [ptr, i64] + [ptr] * 7 + [i64, ptr] + [i64] * 9 + [ctypes.c_float, cint, cint]
+        step.restype = None
+        self._step = step
         norm = lib.rolerl_rms_norm
         norm.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, cint, cint]
         norm.restype = None
@@ -131,6 +136,72 @@ class NativeKernel:
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), slots.data_ptr(), positions.data_ptr(),
             positions.stride(0), rows, kv_heads, groups, head_dim, k.shape[0], k.shape[2],
             k.stride(0), k.stride(1), k.stride(2), scale, DTYPES[q.dtype], torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def decode_step(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        writes: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One layer's decode step after its fused q/k/v projection, in one call: RoPE of the queries and the
+        new keys as the engine's decoder computes it (`h * cos + h.roll(D/2) * sin`, `sin`'s first half
+        negated, each op rounded to the dtype as torch rounds it), the new keys and values written to column
+        `writes[b]` of row b's cache slot (a column outside the cache: not written), then `decode_attention`.
+        qkv `(B, 1, Hkv * (G + 2), D)`: the q, k and v heads in that order, head dim contiguous; cos and sin
+        `(B, D)`; k, v one layer's cache `(slots, Hkv, capacity, D)`; `slots` distinct. Returns `(B, Hkv, G,
+        D)` in qkv's dtype."""
+        rows, kv_heads, d = qkv.shape[0], k.shape[1], qkv.shape[-1]
+        groups = qkv.shape[2] // kv_heads - 2 if qkv.dim() == 4 else 0
+        if (
+            qkv.dim() != 4
+            or qkv.shape[1] != 1
+            or qkv.shape[2] != kv_heads * (groups + 2)
+            or groups < 1
+            or qkv.stride(-1) != 1
+            or qkv.stride(-2) != d
+            or cos.shape != (rows, d)
+            or sin.shape != (rows, d)
+            or cos.dtype != qkv.dtype
+            or sin.dtype != qkv.dtype
+            or not (cos.is_contiguous() and sin.is_contiguous())
+            or k.shape != v.shape
+            or k.stride() != v.stride()
+            or k.dim() != 4
+            or k.shape[-1] != d
+            or k.stride(-1) != 1
+            or k.dtype != qkv.dtype
+            or k.device.type != "cpu"
+            or qkv.device.type != "cpu"
+            or self.covers(qkv.dtype, d, groups) is not None
+        ):
+            raise ValueError(
+                f"decode_step: qkv {tuple(qkv.shape)} {qkv.dtype}, cos/sin {tuple(cos.shape)} / {tuple(sin.shape)}"
+                f" and k/v {tuple(k.shape)} {k.dtype} are not (B, 1, Hkv * (G + 2), D), (B, D) and (slots, Hkv,"
+                f" capacity, D) of one dtype (float32 or bfloat16) on CPU, D a multiple of 16 up to "
+                f"{self.max_head_dim}, G up to {self.max_groups}"
+            )
+        index = (slots, positions, writes)
+        if any(t.dtype != torch.int64 for t in index):
+            raise TypeError("decode_step: slots, positions and writes must be int64")
+        if slots.shape != (rows,) or positions.shape[0] != rows or writes.numel() != rows:
+            raise ValueError(f"decode_step: slots, positions and writes must have {rows} rows")
+        if len(set(slots.tolist())) != rows:
+            raise ValueError("decode_step: rows must be in distinct cache slots (each writes its own)")
+        slots, positions, writes = (t.contiguous() for t in index)
+        out = qkv.new_empty(rows, kv_heads, groups, d)
+        self._step(
+            qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
+            out.data_ptr(), slots.data_ptr(), positions.data_ptr(), positions.stride(0), writes.data_ptr(),
+            rows, kv_heads, groups, d, k.shape[0], k.shape[2], k.stride(0), k.stride(1), k.stride(2), scale,
+            DTYPES[qkv.dtype], torch.get_num_threads(),
         )  # fmt: skip
         return out
 

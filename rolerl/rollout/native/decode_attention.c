@@ -156,6 +156,84 @@ void rolerl_decode_attention(const void *q, const void *k, const void *v, void *
     }
 }
 
+/* RoPE of one head of D values, as the engine's decoder computes it (rolerl.rollout.decoder: HF's
+   q * cos + rotate_half(q) * sin, with rotate_half's sign folded into sin): dst[j] = round(round(src[j] * cos[j])
+   + round(src[(j + D/2) % D] * sin[j])), every product and the sum rounded to the dtype as torch's three ops
+   round them (bf16: to nearest even; fp32: each op rounded on its own, so no fused multiply-add here). */
+#if defined(__clang__)
+#define SEPARATE_ROUNDING
+#define SEPARATE_ROUNDING_BODY _Pragma("clang fp contract(off)")
+#else
+#define SEPARATE_ROUNDING __attribute__((optimize("fp-contract=off"), noinline))
+#define SEPARATE_ROUNDING_BODY
+#endif
+
+SEPARATE_ROUNDING static void rope_head(const char *src, const char *cos, const char *sin, char *dst, int64_t D,
+                                        int dtype) {
+    SEPARATE_ROUNDING_BODY
+    const int64_t size = dtype == BF16 ? 2 : 4, half = D / 2;
+    if (half % LANES == 0) {
+        for (int64_t j = 0; j < D; j += LANES) {
+            const int64_t r = j < half ? j + half : j - half; /* vectors never straddle the halves */
+            const vf a = round_lanes(load_lanes(src + j * size, dtype) * load_lanes(cos + j * size, dtype), dtype);
+            const vf b = round_lanes(load_lanes(src + r * size, dtype) * load_lanes(sin + j * size, dtype), dtype);
+            store_lanes(dst + j * size, a + b, dtype);
+        }
+        return;
+    }
+    for (int64_t j = 0; j < D; j++) {
+        const int64_t r = j < half ? j + half : j - half;
+        const float a = round_one(load_one(src + j * size, dtype) * load_one(cos + j * size, dtype), dtype);
+        const float b = round_one(load_one(src + r * size, dtype) * load_one(sin + j * size, dtype), dtype);
+        store_one(dst + j * size, a + b, dtype);
+    }
+}
+
+/* One decode step of one layer after its q/k/v projection: RoPE of the queries and the new key, the new key
+   and value written to the cache, and the attention of rolerl_decode_attention, in one task per (row, KV
+   head). qkv: (rows, heads of q, k and v) rows qkv_row elements apart, its heads in order q (kv_heads *
+   groups), k (kv_heads), v (kv_heads), each head_dim contiguous; cos, sin: (rows, head_dim) contiguous,
+   sin's first half negated. Row b writes its key and value to column writes[b] of its slot (a column outside
+   the cache: no write) and attends to keys [0, positions[b * position_stride]]. Rows must have distinct
+   slots (each task writes only its own slot and head). */
+void rolerl_decode_step(const void *qkv, int64_t qkv_row, const void *cos, const void *sin, void *k, void *v,
+                        void *out, const int64_t *slots, const int64_t *positions, int64_t position_stride,
+                        const int64_t *writes, int64_t rows, int64_t kv_heads, int64_t groups, int64_t head_dim,
+                        int64_t slot_count, int64_t key_count, int64_t slot_stride, int64_t head_stride,
+                        int64_t key_stride, float scale, int dtype, int threads) {
+    const int64_t size = dtype == BF16 ? 2 : 4, per_row = groups * head_dim * size, hd = head_dim * size;
+    const attend_fn fn = dtype == BF16 ? (head_dim == 64 ? attend_d64_bf16 : head_dim == 128 ? attend_d128_bf16 : attend_any_bf16)
+                                       : (head_dim == 64 ? attend_d64_f32 : head_dim == 128 ? attend_d128_f32 : attend_any_f32);
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < rows; b++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t slot = slots[b], task = b * kv_heads + h, column = writes[b];
+            int64_t n = positions[b * position_stride] + 1;
+            n = n > key_count ? key_count : n;
+            char *o = (char *)out + task * per_row;
+            if (slot < 0 || slot >= slot_count) {
+                memset(o, 0, (size_t)per_row);
+                continue;
+            }
+            const char *row = (const char *)qkv + b * qkv_row * size, *c = (const char *)cos + b * hd,
+                       *s = (const char *)sin + b * hd;
+            const int64_t at = (slot * slot_stride + h * head_stride) * size;
+            char *kt = (char *)k + at, *vt = (char *)v + at;
+            if (column >= 0 && column < key_count) {
+                rope_head(row + (kv_heads * groups + h) * hd, c, s, kt + column * key_stride * size, head_dim, dtype);
+                memcpy(vt + column * key_stride * size, row + (kv_heads * (groups + 1) + h) * hd, (size_t)hd);
+            }
+            if (n < 1) {
+                memset(o, 0, (size_t)per_row);
+                continue;
+            }
+            _Alignas(64) char qt[MAX_G * MAX_D * 4];
+            for (int64_t g = 0; g < groups; g++) rope_head(row + (h * groups + g) * hd, c, s, qt + g * hd, head_dim, dtype);
+            fn(qt, kt, vt, o, n, groups, head_dim, key_stride * size, scale);
+        }
+    }
+}
+
 /* 0: the largest head dim, 1: the most query heads per KV head, 2: the vector ISA the kernel was built for
    (512: AVX-512, 256: AVX2, 0: neither, where the generic vectors may run slower than torch's kernels). */
 int rolerl_decode_attention_limit(int which) {

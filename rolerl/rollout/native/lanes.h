@@ -93,6 +93,27 @@ static inline void store_lanes(void *p, vf r, int dtype) {
     }
 }
 
+/* round(x) to the dtype and back, in fp32 lanes: what storing and loading again would give (bf16: to nearest
+   even, NaN stays NaN; fp32: x itself). */
+static inline vf round_lanes(vf x, int dtype) {
+    if (dtype != BF16) return x;
+    vu u;
+    memcpy(&u, &x, sizeof u);
+    const vu nan = (vu)(x != x);
+    u = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u & ~nan) | (u & nan);
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline float round_one(float f, int dtype) {
+    if (dtype != BF16 || f != f) return f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* One value at p as fp32 / stored from fp32, for the scalar tails (the same rounding as store_lanes). */
 static inline float load_one(const void *p, int dtype) {
     if (dtype == BF16) {

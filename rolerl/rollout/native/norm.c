@@ -22,26 +22,6 @@
 
 #define PARALLEL_MIN (1 << 16) /* elements below which one thread does all rows (a decode step's 32 x 576) */
 
-/* round(v) to bf16 and back, in fp32 lanes (nearest even; NaN stays NaN); fp32: v itself */
-static inline vf round_lanes(vf v, int dtype) {
-    if (dtype != BF16) return v;
-    vu u;
-    memcpy(&u, &v, sizeof u);
-    vu nan = (vu)(v != v);
-    vu r = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u & ~nan) | (u & nan);
-    memcpy(&v, &r, sizeof v);
-    return v;
-}
-
-static inline float round_one(float f, int dtype) {
-    if (dtype != BF16 || f != f) return f;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 void rolerl_rms_norm(const void *x, const void *y, void *sum, const void *w, void *out, int64_t rows, int64_t d,
                      float eps, int dtype, int threads) {
     const int64_t size = dtype == BF16 ? 2 : 4;
