@@ -183,9 +183,8 @@ class LeanDecoder:
                 else:
                     qk = rope(qkv[:, :, : hq + hkv])
                     q, k = qk[:, :, :hq], qk[:, :, hq:]
-                h = attend_layout(
-                    layout, layer.index, q, k, qkv[:, :, hq + hkv :], layer.scaling
-                )  # (B, T, H D)
+                v = qkv[:, :, hq + hkv :]
+                h = attend_layout(layout, layer.index, q, k, v, layer.scaling)  # (B, T, H D)
             out = layer.o_adapter.add_(h, packed_linear(h, *o_w), merged, native)
             x, h = add_norm(layer.norm2, x, out)
             gu = layer.gate_up_adapters.add_(h, packed_linear(h, *gu_w), merged, native)  # (B, T, 2 I)

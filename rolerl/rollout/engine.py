@@ -84,8 +84,8 @@ class Engine:
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
         `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`
-        (None: a `rolerl.rollout.sampling.Sampler` of the engine's own); tests replace it with a script to drive exact token sequences (teacher forcing) through the
-        real engine. `source`: the trainer's model when `model` is a copy in another dtype (`rollout_copy`):
+        (None: a `rolerl.rollout.sampling.Sampler` of the engine's own); tests replace it with a script to
+        drive exact token sequences (teacher forcing) through the real engine. `source`: the trainer's model when `model` is a copy in another dtype (`rollout_copy`):
         `sync()` copies its adapters in. `kernels`: `onednn` runs the linear layers on weights packed once
         for oneDNN (`rolerl.rollout.packed`; CPU only), `torch` on `F.linear`, `auto` = `onednn` where
         supported. `attention`: `native` runs decode attention in a C kernel built with the machine's

@@ -140,6 +140,18 @@ def scripted_sampler(scripts: dict[int, list[int]]):
     return sampler
 
 
+def scripted_requests(tok, steps: int, seed: int = 0) -> tuple[dict[int, list[int]], list[GenerationRequest]]:
+    """Random scripts of `steps` token ids, one per prompt of PROMPTS (for `scripted_sampler`), and the
+    requests that play them: a row's seed names its script."""
+    g = torch.Generator().manual_seed(seed)
+    scripts = {s: torch.randint(0, 1000, (steps,), generator=g).tolist() for s in range(len(PROMPTS))}
+    reqs = [
+        GenerationRequest(prompt_ids(tok, p), SamplingParams(seed=s, max_new_tokens=steps, ignore_eos=True))
+        for s, p in enumerate(PROMPTS)
+    ]
+    return scripts, reqs
+
+
 class EchoTool:
     """A scripted tool: prints the call's code back `repeat` times, so outputs differ in length per row."""
 

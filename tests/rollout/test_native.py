@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from rolerl.rollout import native
 from rolerl.rollout.engine import Engine, GenerationRequest
 from rolerl.rollout.sampling import SamplingParams
-from tests.rollout.test_engine import PROMPTS, prompt_ids, scripted_sampler
+from tests.rollout.test_engine import prompt_ids, scripted_requests, scripted_sampler
 from tests.tolerance import ulp_tol
 
 KERNEL = native.kernel()
@@ -156,12 +156,7 @@ def test_engine_with_native_attention_gives_sdpas_logprobs(tokenizer, dtype, mon
         native.NativeKernel, "decode_attention", lambda self, *a: calls.append(1) or original(self, *a)
     )
     model, tok = rolerl.tiny_model("qwen3", dtype=dtype, tokenizer=tokenizer)
-    g = torch.Generator().manual_seed(0)
-    scripts = {s: torch.randint(0, 1000, (12,), generator=g).tolist() for s in range(len(PROMPTS))}
-    reqs = [
-        GenerationRequest(prompt_ids(tok, p), SamplingParams(seed=s, max_new_tokens=12, ignore_eos=True))
-        for s, p in enumerate(PROMPTS)
-    ]
+    scripts, reqs = scripted_requests(tok, 12)
     logprobs = {}
     for attention in ("torch", "native"):
         engine = Engine(model, tok, max_batch=4, attention=attention, sampler=scripted_sampler(scripts))
@@ -196,6 +191,9 @@ def test_without_a_working_compiler_auto_keeps_sdpa_and_native_is_an_error(
     assert native.resolve_attention("torch", cpu) is None
     with pytest.raises(RuntimeError, match="did not build"):
         native.resolve_attention("native", cpu)
+    assert native.resolve_pointwise("auto", cpu) is None  # the norms too keep torch's ops
+    with pytest.raises(RuntimeError, match="rollout.pointwise 'native': the kernels did not build"):
+        native.resolve_pointwise("native", cpu)
     assert list(fresh_build.rglob("*")) in ([], [fresh_build / "native"])  # no half-written library
 
 

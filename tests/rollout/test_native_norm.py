@@ -2,8 +2,8 @@
 the norm equals a float64 reference within the two roundings HF makes in the model's dtype, and HF's own
 `LlamaRMSNorm` but for the last bits of its fp32 sum of squares (bf16: one unit in the last place, on a tiny
 fraction of the elements); widths with and without a vector tail, many rows on 1 or 2 threads alike, NaN
-kept to its row, bad inputs refused. The engine with it gives torch's log-probs; a norm that is not HF's own
-runs torch's."""
+kept to its row, bad inputs refused. Only HF's own norm classes, forward untouched, run it. The engine with
+it gives torch's log-probs."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from rolerl.rollout import native
 from rolerl.rollout.decoder import _plain_rms_norm
-from rolerl.rollout.engine import Engine, GenerationRequest
-from rolerl.rollout.sampling import SamplingParams
-from tests.rollout.test_engine import PROMPTS, prompt_ids, scripted_sampler
+from rolerl.rollout.engine import Engine
+from tests.rollout.test_engine import scripted_requests, scripted_sampler
 
 KERNEL = native.kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the native kernels did not build")
@@ -108,8 +107,8 @@ def test_only_hfs_own_rmsnorm_runs_natively():
 def test_engine_with_the_native_norms_gives_torchs_logprobs(tokenizer, dtype, monkeypatch):
     """The same scripted tokens through an engine on each setting: log-probs within rounding (fp32: the
     sums of squares' last bits through two layers; bf16: a unit in the last place of a normalised row moves
-    the bf16 logits by a few of theirs, as between any two bf16 kernels), the kernel ran for every norm of
-    every forward, and a model whose norms are not HF's keeps torch's."""
+    the bf16 logits by a few of theirs, as between any two bf16 kernels) and the kernel ran for every norm of
+    every forward; `native` where the engine does not run its own decoder is an error that says so."""
     import rolerl
 
     calls = []
@@ -118,12 +117,7 @@ def test_engine_with_the_native_norms_gives_torchs_logprobs(tokenizer, dtype, mo
         native.NativeKernel, "rms_norm", lambda self, *a: calls.append(1) or original(self, *a)
     )
     model, tok = rolerl.tiny_model("llama", dtype=dtype, tokenizer=tokenizer)
-    g = torch.Generator().manual_seed(0)
-    scripts = {s: torch.randint(0, 1000, (10,), generator=g).tolist() for s in range(len(PROMPTS))}
-    reqs = [
-        GenerationRequest(prompt_ids(tok, p), SamplingParams(seed=s, max_new_tokens=10, ignore_eos=True))
-        for s, p in enumerate(PROMPTS)
-    ]
+    scripts, reqs = scripted_requests(tok, 10)
     logprobs = {}
     for pointwise in ("torch", "native"):
         engine = Engine(model, tok, max_batch=4, pointwise=pointwise, sampler=scripted_sampler(scripts))

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from rolerl.rollout import kv, native
-from rolerl.rollout.engine import Engine, GenerationRequest
-from rolerl.rollout.sampling import SamplingParams
-from tests.rollout.test_engine import PROMPTS, prompt_ids, scripted_sampler
+from rolerl.rollout.engine import Engine
+from tests.rollout.test_engine import scripted_requests, scripted_sampler
 
 KERNEL = native.kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the native kernels did not build")
@@ -102,12 +101,7 @@ def test_engine_with_the_fused_step_gives_the_same_logprobs_bit_for_bit(tokenize
         native.NativeKernel, "decode_step", lambda self, *a: calls.append(1) or original(self, *a)
     )
     model, tok = rolerl.tiny_model("llama", dtype=dtype, tokenizer=tokenizer)
-    g = torch.Generator().manual_seed(0)
-    scripts = {s: torch.randint(0, 1000, (10,), generator=g).tolist() for s in range(len(PROMPTS))}
-    reqs = [
-        GenerationRequest(prompt_ids(tok, p), SamplingParams(seed=s, max_new_tokens=10, ignore_eos=True))
-        for s, p in enumerate(PROMPTS)
-    ]
+    scripts, reqs = scripted_requests(tok, 10)
     engine = Engine(model, tok, max_batch=4, sampler=scripted_sampler(scripts))
     fused = [t.logprobs for t in engine.generate(reqs)]
     assert len(calls) >= 9 * model.config.num_hidden_layers  # every layer of the 9 decode steps

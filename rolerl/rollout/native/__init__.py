@@ -9,6 +9,13 @@ pass over its keys, reading the cache in place (cache slots and per-row lengths 
 mask), in fp32 whatever the cache's dtype (bf16 keys and values are widened as they are read; SDPA rounds
 the probabilities to bf16 before multiplying by V, this kernel does not).
 
+`decode_step` in the same file runs a whole decode step of one layer after its q/k/v projection: RoPE of
+the queries and the new key (rounded op by op as torch's ops round them), the new key and value written to
+the row's cache column, and that attention, in one call where torch ran five ops and two indexed writes.
+
+`norm.c` does HF's residual add and RMSNorm of a row in one call (eight torch ops), rounding where HF
+rounds (`rollout.pointwise`).
+
 `lora.c` adds the routed LoRA adapters of a fused group of layers at a decode step (`FusedAdapters`): each
 row multiplies by its own adapter's matrices only, where torch's path runs every adapter's ranks on every row
 under a mask and a block matrix of zeros, in two small GEMMs per fused group that cost more in set-up than
@@ -19,8 +26,8 @@ in arithmetic (`rollout.adapter_kernel`).
 version and the CPU's flags, so that a home directory shared by different CPUs never loads a binary built
 for another, and loads it with ctypes after torch: with torch's GNU OpenMP (`libgomp.so.1`, the PyPI
 wheels') the kernel then runs on torch's own threads. With no compiler (or one without OpenMP), or a
-build that fails, it returns None and says why once; the engine then keeps SDPA (`rollout.attention`) and
-torch's adapter GEMMs (`rollout.adapter_kernel`).
+build that fails, it returns None and says why once; the engine then keeps SDPA (`rollout.attention`),
+torch's adapter GEMMs (`rollout.adapter_kernel`) and HF's norms (`rollout.pointwise`).
 """
 
 from __future__ import annotations
@@ -418,7 +425,8 @@ def kernel() -> NativeKernel | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _failure = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning(
-            "native kernels unavailable (%s); the engine uses SDPA and torch's adapter GEMMs", _failure
+            "native kernels unavailable (%s); the engine uses SDPA, torch's adapter GEMMs and HF's norms",
+            _failure,
         )
         return None
 
