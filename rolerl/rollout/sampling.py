@@ -80,9 +80,9 @@ def sample(
     sums, from which come the log-sum-exp and the draw (the CDF needs no normalising). bf16 logits are read
     as they are: the max is exact in bf16 and `z - max` promotes to fp32.
 
-    `scratch`: fp32 (fp64 for fp64 logits), at least `B * scratch_size(V)` elements, holds those terms (the engine's `Sampler`
-    keeps one across steps: on a VM a fresh 6 MB tensor per step costs more in page faults than its
-    arithmetic); none = a new one. The results do not depend on it, bit for bit.
+    `scratch`: fp32 (fp64 for fp64 logits), at least `B * scratch_size(V)` elements, holds those terms
+    (the engine's `Sampler` keeps one across steps: on a VM a fresh 6 MB tensor per step costs more in page
+    faults than its arithmetic); none = a new one. The results do not depend on it, bit for bit.
 
     One uniform per row: unfiltered rows walk the CDF in vocabulary order, rows with top-k / top-p in
     descending-probability order. A row's order depends on its own parameters only, never on its batch

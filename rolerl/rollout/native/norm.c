@@ -6,12 +6,12 @@
    nearest even; fp32: no rounding):
 
        s   = round(x + y)                       the residual add (when y is given), written to `sum`
-       var = sum(s^2) / d                       accumulated in double, rounded to fp32 once
+       var = sum(s^2) / d                       fp32 partial sums per lane, added up in double
        r   = 1 / sqrt(var + eps)                fp32 (torch's rsqrt on CPU: a division by a square root)
        out = round(w * round(s * r))            HF rounds the normalised row to the dtype, then scales it
 
-   torch sums the squares in fp32 in an order of its own; this sum is the nearly exact one, so var can differ
-   from torch's in its last bits and a bf16 output by one unit in the last place, rarely. Rows are spread
+   torch sums the squares in fp32 in an order of its own, so var can differ from torch's in its last bits and
+   a bf16 output by one unit in the last place, rarely. Rows are spread
    over the caller's OpenMP threads (torch's) when there are enough of them to pay for waking the threads.
    Called through ctypes by rolerl.rollout.native. */
 
