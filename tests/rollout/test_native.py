@@ -25,6 +25,13 @@ KERNEL = native.kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the engine keeps SDPA")
 
 
+def count_calls(monkeypatch, method: str) -> list:
+    """A list that grows by one at each call of `NativeKernel.<method>` (which still runs) for this test."""
+    calls, original = [], getattr(native.NativeKernel, method)
+    monkeypatch.setattr(native.NativeKernel, method, lambda self, *a: calls.append(1) or original(self, *a))
+    return calls
+
+
 def cache_and_query(dtype, slots_total, capacity, kv_heads, groups, head_dim, rows, seed=0):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(slots_total, kv_heads, capacity + 1, head_dim, generator=g).to(dtype)
@@ -150,11 +157,7 @@ def test_engine_with_native_attention_gives_sdpas_logprobs(tokenizer, dtype, mon
     their ulps, as between any two bf16 kernels), and the kernel really ran at every decode step."""
     import rolerl
 
-    calls = []
-    original = native.NativeKernel.decode_attention
-    monkeypatch.setattr(
-        native.NativeKernel, "decode_attention", lambda self, *a: calls.append(1) or original(self, *a)
-    )
+    calls = count_calls(monkeypatch, "decode_attention")
     model, tok = rolerl.tiny_model("qwen3", dtype=dtype, tokenizer=tokenizer)
     scripts, reqs = scripted_requests(tok, 12)
     logprobs = {}

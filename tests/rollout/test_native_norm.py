@@ -15,6 +15,7 @@ from rolerl.rollout import native
 from rolerl.rollout.decoder import _plain_rms_norm
 from rolerl.rollout.engine import Engine
 from tests.rollout.test_engine import scripted_requests, scripted_sampler
+from tests.rollout.test_native import count_calls
 
 KERNEL = native.kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the native kernels did not build")
@@ -111,11 +112,7 @@ def test_engine_with_the_native_norms_gives_torchs_logprobs(tokenizer, dtype, mo
     every forward; `native` where the engine does not run its own decoder is an error that says so."""
     import rolerl
 
-    calls = []
-    original = native.NativeKernel.rms_norm
-    monkeypatch.setattr(
-        native.NativeKernel, "rms_norm", lambda self, *a: calls.append(1) or original(self, *a)
-    )
+    calls = count_calls(monkeypatch, "rms_norm")
     model, tok = rolerl.tiny_model("llama", dtype=dtype, tokenizer=tokenizer)
     scripts, reqs = scripted_requests(tok, 10)
     logprobs = {}

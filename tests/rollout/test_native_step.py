@@ -12,6 +12,7 @@ import torch
 from rolerl.rollout import kv, native
 from rolerl.rollout.engine import Engine
 from tests.rollout.test_engine import scripted_requests, scripted_sampler
+from tests.rollout.test_native import count_calls
 
 KERNEL = native.kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the native kernels did not build")
@@ -95,11 +96,7 @@ def test_inputs_the_step_cannot_read_are_refused():
 def test_engine_with_the_fused_step_gives_the_same_logprobs_bit_for_bit(tokenizer, dtype, monkeypatch):
     import rolerl
 
-    calls = []
-    original = native.NativeKernel.decode_step
-    monkeypatch.setattr(
-        native.NativeKernel, "decode_step", lambda self, *a: calls.append(1) or original(self, *a)
-    )
+    calls = count_calls(monkeypatch, "decode_step")
     model, tok = rolerl.tiny_model("llama", dtype=dtype, tokenizer=tokenizer)
     scripts, reqs = scripted_requests(tok, 10)
     engine = Engine(model, tok, max_batch=4, sampler=scripted_sampler(scripts))
