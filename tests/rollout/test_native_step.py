@@ -99,7 +99,7 @@ def test_engine_with_the_fused_step_gives_the_same_logprobs_bit_for_bit(tokenize
     calls = count_calls(monkeypatch, "decode_step")
     model, tok = rolerl.tiny_model("llama", dtype=dtype, tokenizer=tokenizer)
     scripts, reqs = scripted_requests(tok, 10)
-    engine = Engine(model, tok, max_batch=4, sampler=scripted_sampler(scripts))
+    engine = Engine(model, tok, max_batch=4, attention="native", sampler=scripted_sampler(scripts))
     fused = [t.logprobs for t in engine.generate(reqs)]
     assert len(calls) >= 9 * model.config.num_hidden_layers  # every layer of the 9 decode steps
     monkeypatch.setattr("rolerl.rollout.decoder.fused_decode", lambda *a: False)
