@@ -52,6 +52,17 @@ def chunk_positions(vocab: int, device: torch.device | str) -> int:
     return max(16, LARGEST_KEPT_BLOCK // (4 * vocab))
 
 
+def _gemm_weight(weight: Tensor) -> Tensor:
+    """The head as every chunk's GEMM reads it: under autocast (bf16 training) an fp32 head cast once per
+    pass, where autocast would cast all of it again for each chunk's GEMM (on the default model a strided
+    copy of `W^T` per chunk, as long as the chunk's GEMM itself); otherwise `weight`. The same values:
+    autocast's cast is this one."""
+    dev = weight.device.type
+    if torch.is_autocast_enabled(dev) and weight.dtype == torch.float32:
+        return weight.to(torch.get_autocast_dtype(dev))
+    return weight
+
+
 def _block_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """`(n, d) -> (n, V)` logits / T for one chunk of positions (a fresh buffer, safe to edit)."""
     acc = _acc_dtype(h)
@@ -74,9 +85,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = hidden.new_empty(n_pos, dtype=acc)  # (N,) the only per-position state we keep
         ent = hidden.new_empty(n_pos if with_entropy else 0, dtype=acc)  # (N,) or (0,)
         expect = hidden.new_empty((n_pos if direct else 0, hidden.shape[1]), dtype=acc)  # (N, d) E_p[W]
+        w = _gemm_weight(weight)
         for s in range(0, n_pos, chunk_size):
             e = min(s + chunk_size, n_pos)
-            z = _block_logits(hidden[s:e], weight, bias, temperature)  # (n, V)
+            z = _block_logits(hidden[s:e], w, bias, temperature)  # (n, V)
             # One pass each: max, shift in place, exp, sum (logsumexp would allocate its own shifted copy).
             top = z.amax(dim=-1)  # (n,)
             z.sub_(top[:, None])  # (n, V) logits - max, <= 0
@@ -89,8 +101,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if with_entropy:  # H = log Σ exp z - E_p[z] with z <= 0: a sum of two terms >= 0, no cancellation
                 ent[s:e] = log_total - _rowdot(p, z, hidden.device.type) / total
             if direct:  # E_p[W]: the head rows averaged under the softmax, as backward's GEMM would form them
-                expect[s:e] = (p.to(weight.dtype) @ weight).to(acc).div_(total[:, None])
+                expect[s:e] = (p.to(w.dtype) @ w).to(acc).div_(total[:, None])
             del z, p
+        del w
         logp = logp.masked_fill_(~valid, 0.0)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, expect)
         ctx.direct = direct
@@ -99,7 +112,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # not be the ones whose log-sum-exp we saved.
         dev = hidden.device.type
         ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
-        if not with_entropy:
+        if not with_entropy or direct:
             ctx.mark_non_differentiable(ent)
         ctx.set_materialize_grads(False)  # an output the loss does not use arrives as None: skip its work
         return logp, ent
@@ -133,10 +146,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
 def _chunked_backward(ctx, hidden, weight, bias, safe, lse, g_logp, g_ent, grad_h, grad_w, grad_b) -> None:
     """Accumulate the gradients chunk by chunk into `grad_h (N, d)`, `grad_w (V, d)`, `grad_b (V,)`."""
     use_ent = g_ent is not None and g_ent.numel() > 0
+    w = _gemm_weight(weight)
     for s in range(0, hidden.shape[0], ctx.chunk_size):
         e = min(s + ctx.chunk_size, hidden.shape[0])
         h = hidden[s:e]  # (n, d)
-        z = _block_logits(h, weight, bias, ctx.temperature)  # (n, V) recomputed, not stored
+        z = _block_logits(h, w, bias, ctx.temperature)  # (n, V) recomputed, not stored
         # d logp_tgt / dz = onehot(tgt) - p;  dH/dz = -p (z - E_p[z]).  At most two (n, V) buffers live.
         if use_ent:
             logsm = z.sub_(lse[s:e, None])  # (n, V) log-softmax, in z's buffer
@@ -154,7 +168,7 @@ def _chunked_backward(ctx, hidden, weight, bias, safe, lse, g_logp, g_ent, grad_
         if grad_b is not None:
             grad_b += grad_z.sum(dim=0)
         if grad_h is not None:
-            grad_h[s:e] = grad_z.to(weight.dtype) @ weight  # (n, d), in the autocast dtype if any
+            grad_h[s:e] = grad_z.to(w.dtype) @ w  # (n, d), in the autocast dtype if any
         if grad_w is not None:
             # In place and in the accumulation dtype (in-place ops are exempt from autocast): no (V, d)
             # temporary per chunk, and a full-precision weight gradient under bf16 autocast.
@@ -182,6 +196,7 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     ignore_index: int = -100,
 ) -> TokenLogprobs:
     """`log_softmax((hidden @ weight.T + bias) / temperature)[targets]`, `chunk_size` positions at a time
@@ -191,7 +206,8 @@ def chunked_logprobs(
     Positions whose target equals `ignore_index` get log-prob 0 and no gradient. Values and gradients
     (w.r.t. hidden, weight and bias) match `logprobs_from_logits` on the full logits up to float
     rounding; peak extra memory is `O(chunk_size · V)` instead of `O(B · T · V)`. Entropy, if asked
-    for, is computed from the same chunks and is differentiable too. Not twice differentiable.
+    for, is computed from the same chunks and is differentiable too, unless `entropy_grad=False` (a
+    metric only: a frozen head's backward then takes the path without logits). Not twice differentiable.
     """
     if chunk_size is None:
         chunk_size = chunk_positions(weight.shape[0], hidden.device)
@@ -208,7 +224,7 @@ def chunked_logprobs(
         and hidden.requires_grad
         and not weight.requires_grad
         and (bias is None or not bias.requires_grad)
-        and not with_entropy
+        and not (with_entropy and entropy_grad)
     )
     logp, ent = _ChunkedLogprobs.apply(
         hidden.reshape(b * t, d), weight, bias, tgt, float(temperature), int(chunk_size), with_entropy, direct

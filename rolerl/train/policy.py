@@ -240,6 +240,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     routes: torch.Tensor | int | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
     share_prefix: bool = True,
 ) -> TokenLogprobs:
     """`(B, T-1)` log-probs (and entropies) of `input_ids[:, 1:]` under `routes` (default: the batch's).
@@ -247,7 +248,8 @@ def token_logprobs(
     Column `p` is about token `p + 1`, the alignment of `TrainBatch`'s masks (slice them `[:, :-1]`).
     Only positions on the loss mask run the LM head; the others get log-prob 0 and entropy 0 (no
     gradient). `routes=-1` is the reference. `share_prefix` computes each prompt shared by several rows
-    once (`rolerl.train.prefix`; equal up to float rounding).
+    once (`rolerl.train.prefix`; equal up to float rounding). `entropy_grad=False`: the entropies are a
+    metric, with no gradient (`chunked_logprobs`).
     """
     keep = batch.loss_mask[:, :-1].bool()  # (B, T-1): positions whose next token is trained
     keep = torch.cat([keep, torch.zeros_like(keep[:, :1])], 1)  # (B, T): the last position predicts nothing
@@ -264,6 +266,7 @@ def token_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
     )
     mask = keep[:, :-1]
     entropy = None if out.entropy is None else _scatter(out.entropy[0], mask)

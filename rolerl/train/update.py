@@ -188,7 +188,10 @@ def loss_terms(
     alg = s.algorithm
     mask = mb.loss_mask[:, :-1]  # (b, T-1)
     with autocast(mb.input_ids.device, s.bf16):
-        out = token_logprobs(model, mb, with_entropy=True, **s.logprob_args())
+        # entropy is a metric unless a role's coefficient puts it in the loss (a frozen head's backward is
+        # then cheaper: rolerl.algorithms.logprobs)
+        entropy_grad = s.uses("entropy")
+        out = token_logprobs(model, mb, with_entropy=True, entropy_grad=entropy_grad, **s.logprob_args())
     logp, entropy = out.logp, out.entropy  # (b, T-1)
     adv = mb.advantages[:, :-1]  # (b, T-1)
     own, fresh = logp.detach(), None if aligned.fresh is None else aligned.fresh[:, None]  # fresh: (b, 1)

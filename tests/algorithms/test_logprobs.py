@@ -200,3 +200,62 @@ def test_frozen_head_gradient_from_the_forward_under_bf16_autocast():
     # hidden and W rounded to bf16 (2^-8 relative) dominate both; the direct path adds no more than that
     assert err_direct <= 2 * err_recomputed + ulp_tol(g_ref, 4, torch.bfloat16)
     assert_close_ulps(g_direct, g_ref, 32, torch.bfloat16)
+
+
+def test_entropy_as_a_metric_takes_the_frozen_head_path():
+    """`entropy_grad=False` (the update's entropy when no role's coefficient uses it): the same log-probs and
+    entropies bit for bit, an entropy without gradient, and a frozen head's backward from `E_p[W]` (no
+    logits recomputed), whose hidden gradient is the recomputing path's within a few ulps."""
+    hidden, weight, _, targets, up = _inputs(v=300)
+    frozen = weight.detach()
+    metric = chunked_logprobs(hidden, frozen, targets, chunk_size=4, with_entropy=True, entropy_grad=False)
+    full = chunked_logprobs(hidden, frozen, targets, chunk_size=4, with_entropy=True)
+    assert torch.equal(metric.logp, full.logp) and torch.equal(metric.entropy, full.entropy)
+    assert not metric.entropy.requires_grad and full.entropy.requires_grad
+    assert _node(metric).direct and not _node(full).direct
+    (g_metric,) = torch.autograd.grad((metric.logp * up).sum(), hidden)
+    (g_full,) = torch.autograd.grad((full.logp * up).sum(), hidden)
+    assert_close_ulps(g_metric, g_full, 16)
+
+
+class _HeadCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the dtype casts of tensors with `numel` elements (the head's) that run inside the block."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].numel() == self.numel:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_bf16_autocast_casts_the_head_once_per_pass(frozen, monkeypatch):
+    """Under bf16 autocast an fp32 head is cast once per forward and once per backward, not once per chunk
+    and GEMM (on the default model each of those casts cost about as much as the chunk's GEMM), with the
+    values of autocast's own per-chunk casts: the same log-probs, entropies and gradients bit for bit."""
+    from rolerl.algorithms import logprobs
+
+    hidden, weight, _, targets, up = _inputs(d=64, v=300)
+    weight = weight.detach().requires_grad_(not frozen)
+    wrt = (hidden,) if frozen else (hidden, weight)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16), _HeadCasts(weight.numel()) as fwd:
+            out = chunked_logprobs(hidden, weight, targets, chunk_size=4, with_entropy=True,
+                                   entropy_grad=False)  # fmt: skip
+        with _HeadCasts(weight.numel()) as bwd:
+            grads = torch.autograd.grad((out.logp * up).sum(), wrt)
+        return out, grads, fwd.count, bwd.count
+
+    out, grads, fwd, bwd = run()
+    assert fwd == 1  # 21 positions: 6 chunks, each with a logits GEMM and an E_p[W] one
+    assert bwd == (0 if frozen else 1)  # the frozen head's backward runs no GEMM
+    monkeypatch.setattr(logprobs, "_gemm_weight", lambda w: w)  # autocast casts the head for each GEMM
+    ref, ref_grads, ref_fwd, _ = run()
+    assert ref_fwd == (12 if frozen else 6)  # (the trainable head's forward: the logits GEMM only)
+    assert torch.equal(out.logp, ref.logp) and torch.equal(out.entropy, ref.entropy)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert torch.equal(g, r)
