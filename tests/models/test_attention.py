@@ -158,7 +158,7 @@ def test_grouped_eager_node_equals_eager(autocast, heads, mask):
     compute = torch.bfloat16 if autocast else torch.float32
     assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
     # GEMMs of `G·T` rows may block their sums otherwise than eager's `T`-row ones (fp32 here): a few ulps
-    assert_close_ulps(got, want, 2 if autocast else 16, compute)
+    assert_close_ulps(got, want, 4 if autocast else 16, compute)
     for name, g, w, r in zip("qkv", got_g, want_g, ref_g, strict=True):
         assert g.dtype == w.dtype, name
         assert max_err(g, r) <= 2 * max_err(w, r) + ulp_tol(r, 4, compute), name
