@@ -35,6 +35,9 @@ class CpuInfo:
     avx512_bf16: bool = False
     amx_bf16: bool = False
     name: str = ""
+    # "family 26 model 2" on x86 Linux: CPUs of one name and the same flags differ (two "AMD EPYC"s with
+    # AVX512-BF16 ran the demo in 8.5 and 4.1 min, docs/RESULTS.md), so figures carry the generation too
+    model: str = ""
 
     @property
     def native_bf16(self) -> bool:
@@ -49,12 +52,15 @@ class CpuInfo:
 
 @functools.cache
 def cpu_info() -> CpuInfo:
-    """This machine's CPU, from torch's own cpuinfo (torch >= 2.6) or `/proc/cpuinfo`."""
+    """This machine's CPU: the flags from torch's own cpuinfo (torch >= 2.6) or `/proc/cpuinfo`, the
+    generation from `/proc/cpuinfo`."""
     capability = torch.backends.cpu.get_cpu_capability()
     info = _torch_cpu_flags()
+    proc = _proc_cpuinfo()
     if info is None:
-        info = _proc_cpu_flags()
-    return CpuInfo(capability, info["avx512_bf16"], info["amx_bf16"], info["name"] or platform.processor())
+        info = proc
+    name = info["name"] or proc["name"] or platform.processor()
+    return CpuInfo(capability, info["avx512_bf16"], info["amx_bf16"], name, proc["model"])
 
 
 def _torch_cpu_flags() -> dict | None:
@@ -71,19 +77,30 @@ def _torch_cpu_flags() -> dict | None:
     }
 
 
-def _proc_cpu_flags() -> dict:
-    flags: set[str] = set()
-    name = ""
+def _proc_cpuinfo() -> dict:
+    """`parse_cpuinfo` of this machine's `/proc/cpuinfo` (empty fields where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags" and not flags:
-                flags = set(value.split())
-            elif key.strip() == "model name" and not name:
-                name = value.strip()
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return {"avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags, "name": name}
+        return parse_cpuinfo("")
+
+
+def parse_cpuinfo(text: str) -> dict:
+    """`/proc/cpuinfo`'s first processor: `avx512_bf16`, `amx_bf16`, `name` and `model` ("family F model M")."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep and fields:  # the blank line after the first processor
+            break
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    family, model = fields.get("cpu family", ""), fields.get("model", "")
+    return {
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+        "name": fields.get("model name", ""),
+        "model": f"family {family} model {model}" if family and model else "",
+    }
 
 
 def bf16_choice(device: torch.device | str, cpu: CpuInfo | None = None) -> tuple[bool, str]:
@@ -129,10 +146,12 @@ def fast_dtypes(device: torch.device | str = "cpu") -> list[str]:
 
 
 def describe() -> str:
-    """One line: CPU name, torch's capability, native bf16 flags, threads, torch version (and the GPU)."""
+    """One line: CPU name and generation, torch's capability, native bf16 flags, threads, torch version (and
+    the GPU)."""
     cpu = cpu_info()
+    name = ", ".join(x for x in (cpu.name or "unknown CPU", cpu.model) if x)
     line = (
-        f"{cpu.name or 'unknown CPU'} ({cpu.capability}, {cpu.flags()}), "
+        f"{name} ({cpu.capability}, {cpu.flags()}), "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     if torch.cuda.is_available():

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from rolerl.config import ConfigError, load_config
-from rolerl.hardware import CpuInfo, bf16_choice, cpu_info, describe, resolve_bf16, resolve_precision
+from rolerl.hardware import (
+    CpuInfo,
+    bf16_choice,
+    cpu_info,
+    describe,
+    parse_cpuinfo,
+    resolve_bf16,
+    resolve_precision,
+)
 
 AVX2 = CpuInfo("AVX2", name="AMD EPYC (AVX2 only)")
 AVX512_NO_BF16 = CpuInfo("AVX512", name="Intel Skylake-SP")
@@ -47,6 +55,42 @@ def test_this_machine_is_described_consistently_with_torch():
     if info.capability in ("AVX2", "DEFAULT", "NO AVX"):  # bf16 instructions need AVX-512 or AMX
         assert not info.native_bf16
     assert info.capability in describe()
+
+
+ZEN5 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512_bf16
+power management:
+
+processor\t: 1
+cpu family\t: 25
+model\t\t: 1
+model name\t: another CPU
+flags\t\t: fpu avx2 amx_bf16
+"""
+
+
+def test_cpuinfo_gives_the_first_processors_generation_and_flags():
+    assert parse_cpuinfo(ZEN5) == {
+        "avx512_bf16": True, "amx_bf16": False, "name": "AMD EPYC", "model": "family 26 model 2"
+    }  # fmt: skip
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU part\t: 0xd0c\n"
+    assert parse_cpuinfo(arm) == {"avx512_bf16": False, "amx_bf16": False, "name": "", "model": ""}
+    assert parse_cpuinfo("")["model"] == ""
+
+
+def test_description_names_the_generation(monkeypatch):
+    import rolerl.hardware as hw
+
+    monkeypatch.setattr(
+        hw, "cpu_info", lambda: CpuInfo("AVX512", True, name="AMD EPYC", model="family 26 model 2")
+    )
+    assert describe().startswith("AMD EPYC, family 26 model 2 (AVX512, avx512_bf16), ")
+    monkeypatch.setattr(hw, "cpu_info", lambda: CpuInfo("AVX2"))
+    assert describe().startswith("unknown CPU (AVX2, no native bf16), ")
 
 
 def test_config_accepts_auto_and_booleans_for_train_bf16():
