@@ -171,16 +171,6 @@ def test_engine_with_native_attention_gives_sdpas_logprobs(tokenizer, dtype, mon
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < limit
 
 
-@pytest.fixture
-def fresh_build(tmp_path, monkeypatch):
-    """`kernel()` rebuilt into an empty cache directory; the real one restored afterwards."""
-    monkeypatch.setenv("ROLERL_CACHE", str(tmp_path))
-    native.kernel.cache_clear()
-    yield tmp_path
-    monkeypatch.undo()
-    native.kernel.cache_clear()
-
-
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])
 def test_without_a_working_compiler_auto_keeps_sdpa_and_native_is_an_error(
     fresh_build, monkeypatch, caplog, cc

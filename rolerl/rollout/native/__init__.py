@@ -21,7 +21,8 @@ row multiplies by its own adapter's matrices only, where torch's path runs every
 under a mask and a block matrix of zeros, in two small GEMMs per fused group that cost more in set-up than
 in arithmetic (`rollout.adapter_kernel`).
 
-`kernel()` compiles the sources once per machine and compiler (`cc -O3 -march=native -fopenmp`) into
+`kernel()` compiles the sources once per machine and compiler (`cc -O3 -march=native -fopenmp`; another
+target with `ROLERL_NATIVE_MARCH`, e.g. `x86-64-v3` for AVX2 code on an AVX-512 CPU) into
 `$ROLERL_CACHE/native` (default `~/.cache/rolerl/native`), keyed by the sources, the flags, the compiler's
 version and the CPU's flags, so that a home directory shared by different CPUs never loads a binary built
 for another, and loads it with ctypes after torch: with torch's GNU OpenMP (`libgomp.so.1`, the PyPI
@@ -38,6 +39,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,6 +58,9 @@ HEADERS = (HERE / "lanes.h",)
 # no -ffast-math or reassociation: the kernel spells its vector sums out (reduce_lanes), so the compiler
 # keeps IEEE semantics (NaN and inf mean what they say) at no cost
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# `-march=` for another target than this CPU: `x86-64-v3` builds the AVX2 code (8 float lanes) on an AVX-512
+# machine, with `ATEN_CPU_CAPABILITY=avx2` how the benchmarks emulate an AVX2-only CPU (docs/BENCHMARKS.md)
+MARCH_ENV = "ROLERL_NATIVE_MARCH"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ATTENTION = ("auto", "native", "torch")
 
@@ -421,7 +426,13 @@ def kernel() -> NativeKernel | None:
     """The compiled kernels, built once per machine (cached on disk), or None where they cannot be built."""
     global _failure
     try:
-        return NativeKernel(_build())
+        built = NativeKernel(_build())
+        missing = _missing_instructions(built.isa)
+        if missing:  # a -march above this CPU's (ROLERL_NATIVE_MARCH): its code would die of SIGILL
+            raise RuntimeError(
+                f"built for {missing}, which this CPU lacks ({MARCH_ENV}={os.environ.get(MARCH_ENV)})"
+            )
+        return built
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _failure = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning(
@@ -438,6 +449,25 @@ def _compiler() -> str:
     return cc
 
 
+def _cpu_flags() -> set[str]:
+    """The instruction-set flags `/proc/cpuinfo` lists (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def _missing_instructions(isa: int) -> str:
+    """The instructions a build of vector width `isa` (512, 256 or 0) needs and this CPU lacks, if known."""
+    have = _cpu_flags()
+    need = {512: {"avx512f"}, 256: {"avx2", "fma"}}.get(isa, set())
+    return " ".join(sorted(need - have)) if have else ""
+
+
 def _cpu_identity() -> str:
     """What `-march=native` depends on: the CPU's model and feature flags."""
     try:
@@ -448,11 +478,22 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keep}))
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler flags: `FLAGS`, with `-march=$ROLERL_NATIVE_MARCH` where that is set."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march:
+        return FLAGS
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", march):
+        raise RuntimeError(f"{MARCH_ENV}={march!r} is not a compiler target name (e.g. native, x86-64-v3)")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
 def _build() -> Path:
     cc = _compiler()
+    cflags = flags()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(cflags).encode(), version.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]  # fmt: skip
     target = cache_dir() / "native" / f"rolerl-native-{key}.so"
     if target.exists():
@@ -462,7 +503,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120
+            [cc, *cflags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
