@@ -85,8 +85,14 @@ def _proc_cpuinfo() -> dict:
         return parse_cpuinfo("")
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags `/proc/cpuinfo` lists for this CPU (empty where there is none)."""
+    return set(_proc_cpuinfo()["flags"])
+
+
 def parse_cpuinfo(text: str) -> dict:
-    """`/proc/cpuinfo`'s first processor: `avx512_bf16`, `amx_bf16`, `name` and `model` ("family F model M")."""
+    """`/proc/cpuinfo`'s first processor: `avx512_bf16`, `amx_bf16`, `name`, `model` ("family F model M")
+    and `flags` (sorted)."""
     fields: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -100,6 +106,7 @@ def parse_cpuinfo(text: str) -> dict:
         "amx_bf16": "amx_bf16" in flags,
         "name": fields.get("model name", ""),
         "model": f"family {family} model {model}" if family and model else "",
+        "flags": sorted(flags),
     }
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from rolerl.hardware import cpu_flags as _cpu_flags
 from rolerl.models.load import cache_dir
 from rolerl.models.lora import group_rows
 
@@ -429,9 +430,8 @@ def kernel() -> NativeKernel | None:
         built = NativeKernel(_build())
         missing = _missing_instructions(built.isa)
         if missing:  # a -march above this CPU's (ROLERL_NATIVE_MARCH): its code would die of SIGILL
-            raise RuntimeError(
-                f"built for {missing}, which this CPU lacks ({MARCH_ENV}={os.environ.get(MARCH_ENV)})"
-            )
+            march = os.environ.get(MARCH_ENV) or "native"
+            raise RuntimeError(f"built for {missing}, which this CPU lacks ({MARCH_ENV}={march})")
         return built
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _failure = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -447,18 +447,6 @@ def _compiler() -> str:
     if not cc:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     return cc
-
-
-def _cpu_flags() -> set[str]:
-    """The instruction-set flags `/proc/cpuinfo` lists (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return set(value.split())
-    except OSError:
-        pass
-    return set()
 
 
 def _missing_instructions(isa: int) -> str:
