@@ -46,6 +46,8 @@ def kernel_tests():
 def test_an_avx2_build_passes_every_kernel_test(fresh_build, monkeypatch):
     monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
     avx2 = native.kernel()
+    if avx2 is None and "x86-64-v3" in native._failure:  # GCC < 11 and Clang < 12 do not know the name
+        pytest.skip(f"this compiler has no x86-64-v3 target: {native._failure}")
     assert avx2 is not None and avx2.isa == 256  # the 8-lane code
     assert avx2.path.parent == fresh_build / "native"
     cases = list(kernel_tests())
