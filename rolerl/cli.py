@@ -81,7 +81,12 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--probe", type=int, default=0, metavar="K", help="also measure the warm start's pass@K")
     p.add_argument(
-        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=5e-5"
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. --set optim.lr=5e-5 train.bf16=false (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
 

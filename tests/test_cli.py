@@ -65,6 +65,16 @@ def test_flag_before_the_config_path_works(tmp_path, capsys):
     assert (run / "checkpoints" / "step_1").is_dir()
 
 
+@pytest.mark.parametrize("command", ["demo", "train", "sft"])
+def test_repeated_set_flags_add_up(command):
+    """`--set a=1 --set b=2` keeps both (argparse's default would keep only the last, silently)."""
+    parsed = build_parser().parse_args(
+        [command, "--set", "train.steps=3", "optim.lr=1", "--set", "run.seed=2"]
+    )
+    overrides = parsed.set if command == "demo" else parsed.overrides
+    assert overrides == ["train.steps=3", "optim.lr=1", "run.seed=2"]
+
+
 def test_an_override_without_equals_sign_says_what_an_override_looks_like(capsys):
     one_line_error(capsys, ["train", "configs/smoke.yaml", "--set", "train.steps"], "section.field=value")
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from rolerl.gemm import linear, matmul
 from rolerl.heap import LARGEST_KEPT_BLOCK
 
 GPU_CHUNK = 512  # positions per chunk on an accelerator (its caching allocator reuses any block size)
@@ -66,7 +67,7 @@ def _gemm_weight(weight: Tensor) -> Tensor:
 def _block_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """`(n, d) -> (n, V)` logits / T for one chunk of positions (a fresh buffer, safe to edit)."""
     acc = _acc_dtype(h)
-    z = (h @ weight.T).to(acc)  # (n, V); the matmul in the model's dtype, softmax maths in >= fp32
+    z = linear(h, weight).to(acc)  # (n, V); the matmul in the model's dtype, softmax maths in >= fp32
     if bias is not None:
         z = z + bias.to(acc)
     return z.div_(temperature) if temperature != 1.0 else z
@@ -101,7 +102,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if with_entropy:  # H = log Σ exp z - E_p[z] with z <= 0: a sum of two terms >= 0, no cancellation
                 ent[s:e] = log_total - _rowdot(p, z, hidden.device.type) / total
             if direct:  # E_p[W]: the head rows averaged under the softmax, as backward's GEMM would form them
-                expect[s:e] = (p.to(w.dtype) @ w).to(acc).div_(total[:, None])
+                expect[s:e] = matmul(p.to(w.dtype), w).to(acc).div_(total[:, None])
             del z, p
         del w
         logp = logp.masked_fill_(~valid, 0.0)
@@ -168,7 +169,7 @@ def _chunked_backward(ctx, hidden, weight, bias, safe, lse, g_logp, g_ent, grad_
         if grad_b is not None:
             grad_b += grad_z.sum(dim=0)
         if grad_h is not None:
-            grad_h[s:e] = grad_z.to(w.dtype) @ w  # (n, d), in the autocast dtype if any
+            grad_h[s:e] = matmul(grad_z.to(w.dtype), w)  # (n, d), in the autocast dtype if any
         if grad_w is not None:
             # In place and in the accumulation dtype (in-place ops are exempt from autocast): no (V, d)
             # temporary per chunk, and a full-precision weight gradient under bf16 autocast.

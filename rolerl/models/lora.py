@@ -26,6 +26,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from rolerl.gemm import matmul
+
 RouteLike = torch.Tensor | int | str | None
 
 
@@ -375,7 +377,9 @@ class _LoRALinear(torch.autograd.Function):
     (`(N, in)`) tensors each. `mask` is `(N, R)` per token (routes mixing adapters, scalings included) or
     `(1, R)` (one adapter for every token: its scaling). Saved for backward: `x` (alive anyway) and the
     `(N, R)` rank activations. A weight in another dtype than `x` (fp32 under bf16 autocast) is cast for
-    each GEMM and not kept: backward casts it again."""
+    each GEMM and not kept: backward casts it again. The input gradient's GEMM `dy W` is `rolerl.gemm`'s
+    (oneDNN's in fp32 on CPU); the forward's stays `F.linear`, the op of the layer's forward without
+    autograd and of the plain model, so that values computed with and without grad are equal bit for bit."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, mask):
@@ -397,7 +401,7 @@ class _LoRALinear(torch.autograd.Function):
         ga = gh.T @ x2 if ctx.needs_input_grad[3] else None  # (R, in)
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = (g @ weight.to(x.dtype)).addmm_(gh, a).view(x.shape)  # (N, in)
+            gx = matmul(g, weight.to(x.dtype)).addmm_(gh, a).view(x.shape)  # (N, in)
         return gx, None, None, ga, gb, None
 
 

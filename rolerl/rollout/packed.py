@@ -29,6 +29,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from rolerl.gemm import onednn_built
 from rolerl.models.lora import RoutedLoRALinear, merged_delta
 
 KERNELS = ("auto", "onednn", "torch")
@@ -38,9 +39,7 @@ TIED_HEADS = ("share", "copy")
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed oneDNN linears run for this device and dtype: CPU, oneDNN built in, fp32 anywhere,
     bf16 only where oneDNN has a native bf16 path (it refuses or emulates slowly elsewhere)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if device.type != "cpu" or not onednn_built():
         return False
     if dtype == torch.float32:
         return True

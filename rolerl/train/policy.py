@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rolerl import gemm
 from rolerl.algorithms import TokenLogprobs, chunked_logprobs
 from rolerl.config import Config, OptimConfig
 from rolerl.hardware import resolve_bf16, resolve_precision
@@ -175,6 +176,7 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
     frozen = [n for n, e in cfg.adapters.per_adapter.items() if not e.trainable]
     groups = adapter_groups({m: members[m].model for m in members}, _adapter_lrs(cfg, topology), frozen)
     bf16 = resolve_bf16(cfg.train.bf16, device)
+    gemm.set_backend(resolve_train_kernels(cfg.train.kernels, device))
     return Policy(members, topology, route_of, device, bf16=bf16, groups=groups)
 
 
@@ -223,6 +225,14 @@ def _adapter_lrs(cfg: Config, topology: Topology) -> dict[str, float]:
             )
         out[name] = cfg.optim.lr * next(iter(scales.values()))
     return out
+
+
+def resolve_train_kernels(kernels: str, device: torch.device) -> str:
+    """`train.kernels` for `rolerl.gemm`: `onednn` needs a CPU and a torch built with oneDNN."""
+    if kernels == "onednn" and (device.type != "cpu" or not gemm.onednn_built()):
+        where = "this torch is built without oneDNN" if device.type == "cpu" else f"the model is on {device}"
+        raise ValueError(f"train.kernels 'onednn' runs on a CPU with oneDNN; {where}: use 'auto' or 'torch'")
+    return kernels
 
 
 def autocast(device: torch.device, bf16: bool):
