@@ -18,24 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from decode_step import median_ms  # (benchmarks/ is the script's path)
 from torch.nn import functional as F
 
 from rolerl import gemm
 from rolerl.hardware import describe
-
-
-def seconds(fn, runs: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def layer_shapes(config) -> list[tuple[int, int]]:
@@ -85,7 +74,7 @@ def measure(flops: int, sides: dict, runs: int) -> dict[str, float]:
     times = {side: [] for side in sides}
     for order in (list(sides), list(sides)[::-1]):
         for side in order:
-            times[side].append(seconds(sides[side], runs))
+            times[side].append(median_ms(sides[side], runs) / 1e3)
     rate = {side: flops / statistics.mean(t) / 1e9 for side, t in times.items()}
     return rate | {"speedup": rate["onednn"] / rate["torch"]}
 
