@@ -24,7 +24,6 @@ import functools
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 BACKENDS = ("auto", "onednn", "torch")
 _backend = "auto"
@@ -65,11 +64,11 @@ def uses_onednn(x: Tensor, weight: Tensor) -> bool:
     )
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`x @ weight.T + bias`, as `F.linear`: `x` `(..., in)`, `weight` `(out, in)`."""
-    if uses_onednn(x, weight) and (bias is None or bias.dtype == torch.float32):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """`x @ weight.T` for `x` `(..., in)` and `weight` `(out, in)`: the head's logits."""
+    if uses_onednn(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return x @ weight.T
 
 
 def matmul(x: Tensor, weight: Tensor) -> Tensor:
