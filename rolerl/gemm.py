@@ -5,10 +5,10 @@ layer under the adapters, and the LM head's logits `h E^T` and softmax-weighted 
 `mm` on CPU through MKL, which ran at its AVX2 speed on an AMD CPU with AVX-512 (the same with MKL held to
 AVX2): on that 2-core EPYC (Zen 5), oneDNN ran the default model's layer shapes at ~2x MKL's GFLOP/s and
 the head's at 1.7-2.8x; held to AVX2, at 1.0-1.5x. Intel CPUs run both libraries' AVX-512 code (reported
-alike, not measured here). `benchmarks/train_gemm.py` measures a CPU; figures in docs/BENCHMARKS.md ("fp32 training
-GEMMs through oneDNN"). Either way the results are fp32 products, rounded in another order. The layers'
-forward `x W^T` stays torch's (`rolerl.models.lora`): it is the op of the forward without grad and of the
-plain model, and values must not depend on whether autograd is recording.
+alike, not measured here). `benchmarks/train_gemm.py` measures a CPU; figures in docs/BENCHMARKS.md
+("fp32 training GEMMs through oneDNN"). Either way the results are fp32 products, rounded in another order.
+The layers' forward `x W^T` stays torch's (`rolerl.models.lora`): it is the op of the forward without grad
+and of the plain model, and values must not depend on whether autograd is recording.
 
 `linear` and `matmul` take oneDNN's path only where it is a plain fp32 product on CPU outside autograd (in
 a custom autograd node's forward or backward, or without grad): fp32 operands, no autocast, no operand
