@@ -335,8 +335,9 @@ class TrainConfig(Section):
     heap: Literal["keep", "trim"] = "keep"
     # the trainer's products with frozen fp32 weights on CPU: the base layers' input gradient `dy W` and the LM
     # head's; onednn = oneDNN's matmul (torch's MKL ran at its AVX2 speed on an AMD CPU with AVX-512, where
-    # oneDNN's was ~2x faster: an fp32 GRPO update 1.36x), torch = torch's own ops, auto = onednn where this
-    # torch has it. bf16 autocast and GPUs use torch's ops either way. docs/BENCHMARKS.md ("fp32 training GEMMs")
+    # oneDNN's was ~2x faster: an fp32 GRPO update 1.36x), torch = torch's own ops (MKL), auto = onednn on
+    # AMD CPUs, torch elsewhere (on an Intel Xeon, MKL was as fast or faster). bf16 autocast and GPUs use
+    # torch's ops either way. docs/BENCHMARKS.md ("fp32 training GEMMs")
     kernels: Literal["auto", "onednn", "torch"] = "auto"
 
     @property

@@ -4,11 +4,13 @@ The trainer's largest GEMMs multiply by weights that never change: the input gra
 layer under the adapters, and the LM head's logits `h E^T` and softmax-weighted rows `p E`. torch runs fp32
 `mm` on CPU through MKL, which ran at its AVX2 speed on an AMD CPU with AVX-512 (the same with MKL held to
 AVX2): on that 2-core EPYC (Zen 5), oneDNN ran the default model's layer shapes at ~2x MKL's GFLOP/s and
-the head's at 1.7-2.8x; held to AVX2, at 1.0-1.5x. Intel CPUs run both libraries' AVX-512 code (reported
-alike, not measured here). `benchmarks/train_gemm.py` measures a CPU; figures in docs/BENCHMARKS.md
-("fp32 training GEMMs through oneDNN"). Either way the results are fp32 products, rounded in another order.
-The layers' forward `x W^T` stays torch's (`rolerl.models.lora`): it is the op of the forward without grad
-and of the plain model, and values must not depend on whether autograd is recording.
+the head's at 1.7-2.8x; held to AVX2, at 1.0-1.5x. On an Intel Xeon with AMX, MKL's AVX-512 code was as
+fast or faster (oneDNN at 0.77-1.04x). So `auto` takes oneDNN on AMD CPUs only
+(`rolerl.hardware.fp32_gemm_choice`); `benchmarks/train_gemm.py` measures a CPU, figures in
+docs/BENCHMARKS.md ("fp32 training GEMMs through oneDNN"). Either way the results are fp32 products,
+rounded in another order. The layers' forward `x W^T` stays torch's (`rolerl.models.lora`): it is the op
+of the forward without grad and of the plain model, and values must not depend on whether autograd is
+recording.
 
 `linear` and `matmul` take oneDNN's path only where it is a plain fp32 product on CPU outside autograd (in
 a custom autograd node's forward or backward, or without grad): fp32 operands, no autocast, no operand
@@ -25,6 +27,8 @@ import functools
 import torch
 from torch import Tensor
 
+from rolerl.hardware import fp32_gemm_choice
+
 BACKENDS = ("auto", "onednn", "torch")
 _backend = "auto"
 
@@ -35,9 +39,15 @@ def onednn_built() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def auto_onednn() -> bool:
+    """Whether `auto` means oneDNN on this machine (`rolerl.hardware.fp32_gemm_choice`)."""
+    return onednn_built() and fp32_gemm_choice("cpu")[0] == "onednn"
+
+
 def set_backend(name: str) -> str:
-    """Use `name` for every later product (`auto` and `onednn` are the same here: oneDNN where it applies);
-    returns the previous setting."""
+    """Use `name` for every later product (`onednn`: oneDNN where it applies; `auto`: the same on CPUs where
+    `auto_onednn()`, else `torch`); returns the previous setting."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"GEMM backend must be one of {BACKENDS}, got {name!r}")
@@ -52,7 +62,7 @@ def backend() -> str:
 def uses_onednn(x: Tensor, weight: Tensor) -> bool:
     """Whether `linear(x, weight)` / `matmul(x, weight)` run on oneDNN."""
     return (
-        _backend != "torch"
+        (_backend == "onednn" or (_backend == "auto" and auto_onednn()))
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.device.type == "cpu"

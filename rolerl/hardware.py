@@ -38,6 +38,7 @@ class CpuInfo:
     # "family 26 model 2" on x86 Linux: CPUs of one name and the same flags differ (two "AMD EPYC"s with
     # AVX512-BF16 ran the demo in 8.5 and 4.1 min, docs/RESULTS.md), so figures carry the generation too
     model: str = ""
+    vendor: str = ""  # `vendor_id`: "GenuineIntel", "AuthenticAMD" (x86 Linux), "" elsewhere
 
     @property
     def native_bf16(self) -> bool:
@@ -60,7 +61,7 @@ def cpu_info() -> CpuInfo:
     if info is None:
         info = proc
     name = info["name"] or proc["name"] or platform.processor()
-    return CpuInfo(capability, info["avx512_bf16"], info["amx_bf16"], name, proc["model"])
+    return CpuInfo(capability, info["avx512_bf16"], info["amx_bf16"], name, proc["model"], proc["vendor"])
 
 
 def _torch_cpu_flags() -> dict | None:
@@ -91,8 +92,8 @@ def cpu_flags() -> set[str]:
 
 
 def parse_cpuinfo(text: str) -> dict:
-    """`/proc/cpuinfo`'s first processor: `avx512_bf16`, `amx_bf16`, `name`, `model` ("family F model M")
-    and `flags` (sorted)."""
+    """`/proc/cpuinfo`'s first processor: `avx512_bf16`, `amx_bf16`, `name`, `model` ("family F model M"),
+    `vendor` and `flags` (sorted)."""
     fields: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -106,6 +107,7 @@ def parse_cpuinfo(text: str) -> dict:
         "amx_bf16": "amx_bf16" in flags,
         "name": fields.get("model name", ""),
         "model": f"family {family} model {model}" if family and model else "",
+        "vendor": fields.get("vendor_id", ""),
         "flags": sorted(flags),
     }
 
@@ -150,6 +152,21 @@ def fast_dtypes(device: torch.device | str = "cpu") -> list[str]:
     """The dtypes worth measuring on `device`: float32, plus bfloat16 where it is native (emulated bf16 is
     ~45x slower on an AVX2 CPU: a benchmark of it would measure the emulation). Benchmarks' default."""
     return ["float32", "bfloat16"] if bf16_choice(device)[0] else ["float32"]
+
+
+def fp32_gemm_choice(device: torch.device | str, cpu: CpuInfo | None = None) -> tuple[str, str]:
+    """`train.kernels: auto`: the library for the trainer's fp32 products with frozen weights on `device`
+    (`onednn` or `torch`, whose CPU BLAS is MKL), and why (`rolerl.gemm`). MKL is Intel's: on an AMD CPU
+    with AVX-512 it ran at its AVX2 speed, and oneDNN, which picks its code by the CPU's flags, at 1.7-2.8x
+    it (Zen 5); on an Intel Xeon with AMX, oneDNN ran at 0.77-1.04x MKL. Measured on those two
+    (docs/BENCHMARKS.md, "fp32 training GEMMs"); every other CPU keeps torch's."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return "torch", f"the model is on {device.type}"
+    cpu = cpu or cpu_info()
+    if cpu.vendor == "AuthenticAMD":
+        return "onednn", "an AMD CPU, where MKL's fp32 GEMMs run its AVX2 code: oneDNN's instead"
+    return "torch", f"{cpu.vendor or 'an unknown CPU vendor'}: torch's own fp32 GEMMs (MKL on x86)"
 
 
 def describe() -> str:

@@ -76,7 +76,7 @@ flags\t\t: fpu avx2 amx_bf16
 def test_cpuinfo_gives_the_first_processors_generation_and_flags():
     assert parse_cpuinfo(ZEN5) == {
         "avx512_bf16": True, "amx_bf16": False, "name": "AMD EPYC", "model": "family 26 model 2",
-        "flags": ["avx2", "avx512_bf16", "avx512f", "fpu"],
+        "vendor": "AuthenticAMD", "flags": ["avx2", "avx512_bf16", "avx512f", "fpu"],
     }  # fmt: skip
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU part\t: 0xd0c\n"
     assert parse_cpuinfo(arm) == {
@@ -84,6 +84,7 @@ def test_cpuinfo_gives_the_first_processors_generation_and_flags():
         "amx_bf16": False,
         "name": "",
         "model": "",
+        "vendor": "",
         "flags": [],
     }
     assert parse_cpuinfo("")["model"] == ""

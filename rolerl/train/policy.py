@@ -21,7 +21,7 @@ from torch import nn
 from rolerl import gemm
 from rolerl.algorithms import TokenLogprobs, chunked_logprobs
 from rolerl.config import Config, OptimConfig
-from rolerl.hardware import resolve_bf16, resolve_precision
+from rolerl.hardware import fp32_gemm_choice, resolve_bf16, resolve_precision
 from rolerl.heap import LARGEST_KEPT_BLOCK
 from rolerl.models.adapters_io import load_adapter
 from rolerl.models.attention import (
@@ -228,11 +228,18 @@ def _adapter_lrs(cfg: Config, topology: Topology) -> dict[str, float]:
 
 
 def resolve_train_kernels(kernels: str, device: torch.device) -> str:
-    """`train.kernels` for `rolerl.gemm`: `onednn` needs a CPU and a torch built with oneDNN."""
+    """`train.kernels` for `rolerl.gemm`: `onednn` needs a CPU and a torch built with oneDNN; `auto` becomes
+    `rolerl.hardware.fp32_gemm_choice`'s pick, logged with its reason."""
     if kernels == "onednn" and (device.type != "cpu" or not gemm.onednn_built()):
         where = "this torch is built without oneDNN" if device.type == "cpu" else f"the model is on {device}"
         raise ValueError(f"train.kernels 'onednn' runs on a CPU with oneDNN; {where}: use 'auto' or 'torch'")
-    return kernels
+    if kernels != "auto":
+        return kernels
+    choice, why = fp32_gemm_choice(device)
+    if choice == "onednn" and not gemm.onednn_built():
+        choice, why = "torch", "this torch is built without oneDNN"
+    log.info("train.kernels=auto -> %s: %s", choice, why)
+    return choice
 
 
 def autocast(device: torch.device, bf16: bool):
