@@ -157,15 +157,14 @@ def fast_dtypes(device: torch.device | str = "cpu") -> list[str]:
 def fp32_gemm_choice(device: torch.device | str, cpu: CpuInfo | None = None) -> tuple[str, str]:
     """`train.kernels: auto`: the library for the trainer's fp32 products with frozen weights on `device`
     (`onednn` or `torch`, whose CPU BLAS is MKL), and why (`rolerl.gemm`). MKL is Intel's: on an AMD CPU
-    with AVX-512 it ran at its AVX2 speed, and oneDNN, which picks its code by the CPU's flags, at 1.7-2.8x
-    it (Zen 5); on an Intel Xeon with AMX, oneDNN ran at 0.77-1.04x MKL. Measured on those two
+    with AVX-512 it ran at its AVX2 speed, and oneDNN at 1.7-2.8x it (Zen 5); on an Intel Xeon with AMX, oneDNN ran at 0.77-1.04x MKL. Measured on those two
     (docs/BENCHMARKS.md, "fp32 training GEMMs"); every other CPU keeps torch's."""
     device = torch.device(device)
     if device.type != "cpu":
         return "torch", f"the model is on {device.type}"
     cpu = cpu or cpu_info()
     if cpu.vendor == "AuthenticAMD":
-        return "onednn", "an AMD CPU, where MKL's fp32 GEMMs run its AVX2 code: oneDNN's instead"
+        return "onednn", "an AMD CPU, where MKL's fp32 GEMMs ran at their AVX2 speed (a Zen 5): oneDNN's instead"
     return "torch", f"{cpu.vendor or 'an unknown CPU vendor'}: torch's own fp32 GEMMs (MKL on x86)"
 
 

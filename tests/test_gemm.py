@@ -101,8 +101,8 @@ def test_backend_and_train_kernels_are_checked():
     ("vendor", "expect"), [("AuthenticAMD", "onednn"), ("GenuineIntel", "torch"), ("", "torch")]
 )
 def test_auto_takes_onednn_on_amd_cpus_only(vendor, expect, monkeypatch, caplog):
-    """MKL runs its AVX2 code on AMD CPUs (oneDNN measured 1.7-2.8x it on a Zen 5), and is as fast as oneDNN or
-    faster on an Intel Xeon; other CPUs were not measured and keep torch's."""
+    """MKL ran at its AVX2 speed on an AMD CPU (oneDNN measured 1.7-2.8x it on a Zen 5), and as fast as oneDNN
+    or faster on an Intel Xeon; other CPUs were not measured and keep torch's."""
     import rolerl.hardware as hw
 
     cpu = hw.CpuInfo("AVX512", avx512_bf16=True, vendor=vendor)
