@@ -164,7 +164,10 @@ def fp32_gemm_choice(device: torch.device | str, cpu: CpuInfo | None = None) -> 
         return "torch", f"the model is on {device.type}"
     cpu = cpu or cpu_info()
     if cpu.vendor == "AuthenticAMD":
-        return "onednn", "an AMD CPU, where MKL's fp32 GEMMs ran at their AVX2 speed (a Zen 5): oneDNN's instead"
+        return (
+            "onednn",
+            "an AMD CPU, where MKL's fp32 GEMMs ran at their AVX2 speed (a Zen 5): oneDNN's instead",
+        )
     return "torch", f"{cpu.vendor or 'an unknown CPU vendor'}: torch's own fp32 GEMMs (MKL on x86)"
 
 
