@@ -5,11 +5,17 @@ head (median of `--runs` after a warm-up): the engine's lean decoder (`rolerl.ro
 forward with the engine's attention and packed weights, alternating; then the GEMMs alone (the GEMM floor of
 a step): every linear packed on its own, and packed in the lean decoder's groups (q/k/v and gate/up fused).
 
+`gemms`: a decode step's weight GEMMs alone (the lean decoder's 121 fused groups and the LM head, in a step's
+order, on the default model's fp32 weights) at `--batches` rows: `F.linear` (MKL) on the plain weights,
+oneDNN on its packed copies, and the native GEMM (`gemm.c`) on its panels, alternating, two rounds; ms per
+step, GFLOP/s and GB/s of weights streamed.
+
 `attention`: the decode attention alone on the engine's layout (batch x 3 KV heads x 3 queries, head dim
 64, a strided view of a longer cache, an additive mask): SDPA vs the two matmuls (fp32) vs the native
 kernel (`rolerl.rollout.native`, reading the cache in place), per number of keys.
 
     python benchmarks/decode_step.py step --batch 32 --kv 100
+    python benchmarks/decode_step.py gemms --batches 8 32 64
     python benchmarks/decode_step.py attention --batch 32 [--dtype bfloat16]
 Figures and the CPU they ran on: docs/BENCHMARKS.md ("Round three", "Round fourteen").
 """
@@ -126,10 +132,54 @@ def step(batch: int, kv: int, runs: int) -> None:
           f"{len(weights)} fused groups {median_ms(gemms_fused, runs):.1f}")  # fmt: skip
 
 
+def gemms(batches: list[int], runs: int) -> None:
+    import rolerl
+    from rolerl.rollout import native
+    from rolerl.rollout.decoder import LeanDecoder
+
+    model, _ = rolerl.load_model("default", dtype="float32")
+    groups = LeanDecoder(model, 32).groups  # q/k/v, o, gate/up, down per layer, then the head
+    plain = [torch.cat([m.weight.detach() for m in g]) for g in groups]
+    kernel = native.kernel()
+    sides = {
+        "F.linear (MKL)": [(F.linear, w) for w in plain],
+        "oneDNN packed": [(_onednn, torch.ops.mkldnn._reorder_linear_weight(w, 32)) for w in plain],
+    }
+    if kernel is not None:
+        sides["native packed"] = [(kernel.linear, kernel.pack(w)) for w in plain]
+    weight_bytes = sum(w.numel() * 4 for w in plain)
+    print(describe())
+    print(f"{len(plain)} GEMMs per step ({len(plain) - 1} fused groups + the head), {weight_bytes / 1e6:.0f} MB "
+          f"of fp32 weights; ms per step (median of {runs}, two alternating rounds), GFLOP/s, GB/s of weights:")  # fmt: skip
+    for rows in batches:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in plain}
+        flops = sum(2 * rows * w.numel() for w in plain)
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(2):
+            for name, calls in sides.items():
+
+                def run(calls=calls, xs=xs) -> None:
+                    with torch.inference_mode():
+                        for (fn, w), p in zip(calls, plain, strict=True):
+                            fn(xs[p.shape[1]], w)
+
+                times[name].append(median_ms(run, runs))
+        line = "   ".join(
+            f"{name} {min(ms):6.1f} ({flops / min(ms) / 1e6:4.0f} GFLOP/s, {weight_bytes / min(ms) / 1e6:4.1f} GB/s)"
+            for name, ms in times.items()
+        )
+        print(f"{rows:4d} rows: {line}")
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["step", "attention"])
+    p.add_argument("what", choices=["step", "gemms", "attention"])
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64], help="rows per GEMM (gemms)")
     p.add_argument("--kv", type=int, default=100, help="cached positions per row (step)")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
@@ -139,6 +189,8 @@ def main() -> None:
     torch.manual_seed(0)
     if args.what == "attention":
         attention(args.batch, args.runs, getattr(torch, args.dtype))
+    elif args.what == "gemms":
+        gemms(args.batches, args.runs)
     else:
         step(args.batch, args.kv, args.runs)
 

@@ -284,7 +284,9 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=["fixed", "tools"], choices=["fixed", "tools", "long"])
     p.add_argument("--rounds", type=int, default=1, help="rounds of both sides per cell, alternating")
     p.add_argument("--long-runs", type=int, default=1, help="timed runs per side in case 3")
-    p.add_argument("--kernels", default="auto", choices=["auto", "onednn", "torch"], help="rolerl's linears")
+    p.add_argument(
+        "--kernels", default="auto", choices=["auto", "native", "onednn", "torch"], help="rolerl's linears"
+    )
     p.add_argument(
         "--attention", default="auto", choices=["auto", "native", "torch"], help="rolerl's decode attention"
     )

@@ -173,10 +173,12 @@ class RolloutConfig(Section):
     # samples from (adapters copied after every step; needs algorithm.old_logp=recompute, tis_cap advised);
     # auto = bfloat16 where bf16 is native (a GPU, or a CPU with AVX512-BF16/AMX), else model
     dtype: Literal["model", "bfloat16", "float32", "auto"] = "model"
-    # the engine's linear layers on CPU: onednn = weights packed once for oneDNN (1.5-2x faster decode GEMMs
-    # at 8-64 rows, one more copy of the weights in memory unless the engine has its own dtype copy); torch =
-    # F.linear; auto = onednn where supported (CPU; fp32, or bf16 where native). docs/BENCHMARKS.md
-    kernels: Literal["auto", "onednn", "torch"] = "auto"
+    # the engine's linear layers on CPU, on weights packed once (one more copy of the weights in memory unless
+    # the engine has its own dtype copy): native = fp32 on the engine's own GEMM, a C kernel built with the
+    # attention's; onednn = oneDNN's (fp32, or bf16 where native; 1.5-2x faster decode GEMMs at 8-64 rows than
+    # F.linear); torch = F.linear; auto = native for fp32 where it builds, else onednn where supported.
+    # docs/ROLLOUT.md, docs/BENCHMARKS.md
+    kernels: Literal["auto", "native", "onednn", "torch"] = "auto"
     # the engine's decode attention on CPU: native = a C kernel built on first use with the machine's C
     # compiler (cc), reading the cache in place, in fp32; torch = SDPA (fp32: two matmuls); auto = native
     # where it builds with AVX2 or AVX-512, else torch. docs/ROLLOUT.md
@@ -185,7 +187,7 @@ class RolloutConfig(Section):
     # native = each row through its own adapter's matrices in a C kernel built with the attention's; torch =
     # masked GEMMs over every adapter's ranks; auto = native where it builds. docs/ROLLOUT.md
     adapter_kernel: Literal["auto", "native", "torch"] = "auto"
-    # with onednn kernels, an LM head tied to the input embeddings (SmolLM2, Qwen2.5 up to 3B): share = run
+    # with packed kernels, an LM head tied to the input embeddings (SmolLM2, Qwen2.5 up to 3B): share = run
     # on that matrix; copy = on a packed copy of it (the matrix held twice: +57 MB for the default model in
     # bf16, +545 MB for Qwen2.5-0.5B in fp32; a faster decode step on some CPUs). docs/ROLLOUT.md
     tied_head: Literal["share", "copy"] = "share"

@@ -89,7 +89,7 @@ class LeanDecoder:
     """`decoder(ids, batch) -> hidden (B, T, d)` after the final norm, writing the engine's KV cache, and
     `decoder.head(hidden) -> logits`."""
 
-    def __init__(self, model, batch_hint: int, tied_head: str = "share") -> None:
+    def __init__(self, model, batch_hint: int, tied_head: str = "share", kernels: str = "onednn") -> None:
         reason = lean_support(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
@@ -100,7 +100,7 @@ class LeanDecoder:
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         _, self.q_heads, self.kv_heads, self.head_dim = attention_shape(model.config)
         self._plan()
-        self.packed = PackedLinears.of(model, batch_hint, self.groups, tied_head)
+        self.packed = PackedLinears.of(model, batch_hint, self.groups, tied_head, kernels)
         self.packed.regroup(self.groups)
 
     def _projections(self) -> tuple[nn.Module, ...]:

@@ -33,7 +33,7 @@ from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
 from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_batch, make_layout
 from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention, resolve_pointwise
-from rolerl.rollout.packed import PackedLinears, checked_tied_head, resolve_kernels
+from rolerl.rollout.packed import PACKED, PackedLinears, checked_tied_head, resolve_kernels
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import Sampler
 from rolerl.tools.base import Tool
@@ -86,10 +86,11 @@ class Engine:
         `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`
         (None: a `rolerl.rollout.sampling.Sampler` of the engine's own); tests replace it with a script to
         drive exact token sequences (teacher forcing) through the real engine. `source`: the trainer's model when `model` is a copy in another dtype (`rollout_copy`):
-        `sync()` copies its adapters in. `kernels`: `onednn` runs the linear layers on weights packed once
-        for oneDNN (`rolerl.rollout.packed`; CPU only), `torch` on `F.linear`, `auto` = `onednn` where
-        supported. `attention`: `native` runs decode attention in a C kernel built with the machine's
-        compiler (`rolerl.rollout.native`; CPU only), `torch` in SDPA, `auto` = `native` where it builds.
+        `sync()` copies its adapters in. `kernels`: `native` runs the linear layers on weights packed once
+        for the engine's own fp32 GEMM, `onednn` for oneDNN's (`rolerl.rollout.packed`; CPU only), `torch`
+        on `F.linear`; `auto` = `native` for fp32 where it builds, else `onednn` where supported.
+        `attention`: `native` runs decode attention in a C kernel built with the machine's compiler
+        (`rolerl.rollout.native`; CPU only), `torch` in SDPA, `auto` = `native` where it builds.
         `adapter_kernel`: the same for the routed adapters of a decode step on the engine's own decoder
         (`native`: each row through its own adapter in C; `torch`: masked GEMMs over every adapter's ranks).
         `tied_head`: with packed kernels, an LM head tied to the input embeddings runs on that matrix
@@ -123,8 +124,8 @@ class Engine:
         # on packed weights, the engine's own forward over Llama-family decoders (rolerl.rollout.decoder);
         # HF's forward with the engine's attention for any other model, or on `F.linear`
         self.lean = (
-            LeanDecoder(model, max_batch, tied_head)
-            if self.kernels == "onednn" and lean_support(model) is None
+            LeanDecoder(model, max_batch, tied_head, self.kernels)
+            if self.kernels in PACKED and lean_support(model) is None
             else None
         )
         self.adapter_kernel = self._lean_kernel(
@@ -140,8 +141,10 @@ class Engine:
             self.lean.adapter_kernel, self.lean.pointwise = self.adapter_kernel, self.pointwise
             self.packed = self.lean.packed
         else:
-            onednn = self.kernels == "onednn"
-            self.packed = PackedLinears.of(model, max_batch, tied_head=tied_head) if onednn else None
+            packed = self.kernels in PACKED
+            self.packed = (
+                PackedLinears.of(model, max_batch, tied_head=tied_head, kind=self.kernels) if packed else None
+            )
         if self.packed is not None and (source is not None if owns_model is None else owns_model):
             self.packed.release(source)
         # every id the head can produce: a model's vocabulary is often padded past its tokenizer's (Qwen3:
@@ -166,7 +169,7 @@ class Engine:
             return None
         why = None
         if self.lean is None:
-            why = "runs on the engine's own decoder only (rollout.kernels onednn, a Llama-family model)"
+            why = "runs on the engine's own decoder only (packed rollout.kernels, a Llama-family model)"
         elif self.dtype not in (torch.float32, torch.bfloat16):
             why = f"does not cover dtype {self.dtype} (float32 or bfloat16)"
         if why is not None and setting == "native":

@@ -1,10 +1,12 @@
-"""Prepacked linear weights for the engine's forwards on CPU (oneDNN).
+"""Prepacked linear weights for the engine's forwards on CPU (the engine's own fp32 GEMM, or oneDNN).
 
-A decode step multiplies a few dozen rows by every weight of the model. At that shape the CPU's GEMM
-spends much of its time re-laying out the weight matrix on every call; oneDNN can lay each weight out
-once, in the blocked format its kernel reads, and reuse it for every step (what inductor does for frozen
-CPU graphs). Measured on the default model (docs/BENCHMARKS.md): the weight GEMMs of a batch-32 fp32 decode
-step take 1.6x less time than `F.linear`'s, on AVX-512 and with oneDNN and MKL limited to AVX2 alike.
+A decode step multiplies a few dozen rows by every weight of the model. At that shape a CPU GEMM on the
+plain weight spends much of its time re-laying it out on every call; packed once, in the layout the kernel
+reads, the weight serves every step (what inductor does for frozen CPU graphs). Two packings (`kind`):
+`onednn` (fp32, or bf16 where the CPU has it natively): oneDNN's blocked format, 1.6x less time than
+`F.linear` for the weight GEMMs of a batch-32 fp32 decode step (docs/BENCHMARKS.md); `native` (fp32): the
+panels of `rolerl.rollout.native`'s `gemm.c`, which overlaps streaming each weight from memory with the
+arithmetic on it, 1.2-1.6x less time again at 8-64 rows.
 
 `PackedLinears(model)` packs every `nn.Linear` of the model (the base layers under routed adapters and
 the LM head; the adapters' small matrices stay as they are), layers that read one input side by side when
@@ -28,11 +30,14 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rolerl.gemm import onednn_built
 from rolerl.models.lora import RoutedLoRALinear, merged_delta
+from rolerl.rollout import native
 
-KERNELS = ("auto", "onednn", "torch")
+KERNELS = ("auto", "native", "onednn", "torch")
+PACKED = ("native", "onednn")  # the kernels that run on packed weights (`PackedLinears.kind`)
 TIED_HEADS = ("share", "copy")
 
 
@@ -54,17 +59,43 @@ def checked_tied_head(tied_head: str) -> str:
     return tied_head
 
 
+def native_gemm(device: torch.device, dtype: torch.dtype) -> native.NativeKernel | None:
+    """The native kernels where their fp32 GEMM (`gemm.c`) runs this device and dtype: CPU, fp32, built."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    return native.kernel()
+
+
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto` -> `onednn` where supported, else `torch`; `onednn` where unsupported is an error."""
+    """`rollout.kernels`: `auto` -> `native` for fp32 on a CPU where the native kernels build with AVX2 or
+    AVX-512 (docs/BENCHMARKS.md: faster than oneDNN's packed GEMMs at decode steps on AMX, AVX512-BF16 and
+    AVX2 CPUs), else `onednn` where supported (bf16 with native bf16), else `torch`. `native` or `onednn`
+    where they cannot run is an error that says why."""
     if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        raise ValueError(f"rollout.kernels must be one of {KERNELS}, got {kernels!r}")
     ok = onednn_supported(device, dtype)
     if kernels == "onednn" and not ok:
         raise ValueError(
             f"rollout.kernels 'onednn' needs a CPU model in float32 (or bfloat16 on a CPU with native bf16) "
             f"and a torch built with oneDNN; this model is {dtype} on {device}: use 'auto' or 'torch'"
         )
-    return "onednn" if kernels == "auto" and ok else ("torch" if kernels == "auto" else kernels)
+    if kernels == "native":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(
+                f"rollout.kernels 'native' runs float32 models on CPU; this model is {dtype} on {device}: "
+                "use 'auto' (bf16: onednn where the CPU has native bf16)"
+            )
+        if native.kernel() is None:
+            raise RuntimeError(
+                f"rollout.kernels 'native': the kernels did not build ({native._failure}); use 'auto'"
+            )
+        return "native"
+    if kernels != "auto":
+        return kernels
+    built = native_gemm(device, dtype)
+    if built is not None and built.isa:  # a generic-vector build (neither AVX2 nor AVX-512) is not measured
+        return "native"
+    return "onednn" if ok else "torch"
 
 
 class PackedLinears:
@@ -87,8 +118,10 @@ class PackedLinears:
         batch_hint: int = 32,
         groups: Sequence[Sequence[nn.Linear]] = (),
         tied_head: str = "share",
+        kind: str = "onednn",
     ) -> None:
         self.tied_head = checked_tied_head(tied_head)
+        self.kind = _checked_kind(kind)
         self._model = weakref.ref(model)  # not a strong reference: `of` keys its table by the model
         self.linears = [m for m in model.modules() if type(m) is nn.Linear]
         grouped = {id(m) for g in groups for m in g}
@@ -108,15 +141,16 @@ class PackedLinears:
         batch_hint: int = 32,
         groups: Sequence[Sequence[nn.Linear]] = (),
         tied_head: str = "share",
+        kind: str = "onednn",
     ) -> PackedLinears:
         """The packed linears of `model`, one set per model: engines over the same model (a training run's
-        rollout engine and its evaluation engine) share one packed copy of the weights. `tied_head` is the
-        latest caller's (a released model keeps what it was packed with)."""
+        rollout engine and its evaluation engine) share one packed copy of the weights. `tied_head` and
+        `kind` are the latest caller's (a released model keeps what it was packed with)."""
         packed = _PER_MODEL.get(model)
         if packed is None:
-            packed = _PER_MODEL[model] = cls(model, batch_hint, groups, tied_head)
+            packed = _PER_MODEL[model] = cls(model, batch_hint, groups, tied_head, kind)
         else:
-            packed.tied_head = checked_tied_head(tied_head)
+            packed.tied_head, packed.kind = checked_tied_head(tied_head), _checked_kind(kind)
         return packed
 
     @property
@@ -253,7 +287,7 @@ class PackedLinears:
 
     def _pack(self, group: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = tuple(id(m) for m in group)
-        state = (self.tied_head, *((m.weight._version, m.weight.data_ptr()) for m in group))
+        state = (self.tied_head, self.kind, *((m.weight._version, m.weight.data_ptr()) for m in group))
         carriers = [self._carrier(m) for m in group] if self.merged is not None else []
         if any(carriers):  # the merged adapter's weights too
             state += (self.merged, *((p._version, p.data_ptr()) for c in carriers if c for p in c))
@@ -281,6 +315,8 @@ class PackedLinears:
             w = w.to(group[0].weight.dtype)
             if len(group) == 1 and not any(carriers) and self._tied(group[0]):
                 packed = w.detach()  # a tied head: on the embeddings' own matrix (`_tied`)
+            elif self.kind == "native":
+                packed = native.kernel().pack(w)
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.batch_hint)
             biases = [m.bias for m in group]
@@ -296,11 +332,10 @@ class PackedLinears:
     def _repacking_forward(self, group: tuple[nn.Linear, ...], columns: tuple[int, int] | None):
         """A released copy's forward of one layer of `group` (its `columns` of the group's output, None =
         all) on the group's packed weight as it is now (`drop` may have freed the one there was)."""
-        linear = torch.ops.mkldnn._linear_pointwise
         lo, hi = columns or (None, None)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            out = linear(x, *self._pack(group), "none", [], "")
+            out = packed_linear(x, *self._pack(group))
             return out if columns is None else out[..., lo:hi].contiguous()
 
         return forward
@@ -332,24 +367,36 @@ def _sources(model: nn.Module, source: nn.Module) -> dict[int, nn.Linear]:
 _PER_MODEL: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` on a packed weight."""
+def _checked_kind(kind: str) -> str:
+    if kind not in PACKED:
+        raise ValueError(f"packed kernels must be one of {PACKED}, got {kind!r}")
+    return kind
+
+
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor | native.PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear` on a packed weight: the native GEMM's, or oneDNN's (its packed format or, for a tied head
+    on the embeddings' matrix, a plain weight; `F.linear` where torch has no oneDNN)."""
+    if type(weight) is native.PackedWeight:
+        return weight.kernel.linear(x, weight, bias)
+    if weight.layout == torch.strided and not onednn_built():
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, columns: tuple[int, int] | None = None):
-    linear = torch.ops.mkldnn._linear_pointwise
+def _packed_forward(
+    weight: torch.Tensor | native.PackedWeight,
+    bias: torch.Tensor | None,
+    columns: tuple[int, int] | None = None,
+):
     if columns is None:
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return linear(x, weight, bias, "none", [], "")
-
-        return forward
+        return partial(packed_linear, weight=weight, bias=bias)
     lo, hi = columns
 
     def forward_columns(x: torch.Tensor) -> torch.Tensor:
         # a layer run alone outside the engine's decoder (a released model): the whole group, then its part
-        return linear(x, weight, bias, "none", [], "")[..., lo:hi].contiguous()
+        return packed_linear(x, weight, bias)[..., lo:hi].contiguous()
 
     return forward_columns
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from rolerl.rollout import native
-from tests.rollout import test_native, test_native_lora, test_native_norm, test_native_step
+from tests.rollout import test_native, test_native_gemm, test_native_lora, test_native_norm, test_native_step
 from tests.rollout.test_native import needs_kernel
 
-MODULES = (test_native, test_native_lora, test_native_norm, test_native_step)
+MODULES = (test_native, test_native_lora, test_native_norm, test_native_step, test_native_gemm)
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 is an x86 target")
 
 
@@ -53,12 +53,13 @@ def test_an_avx2_build_passes_every_kernel_test(fresh_build, monkeypatch):
     cases = list(kernel_tests())
     names = {name for name, _, _ in cases}
     assert (
-        len(cases) >= 50
+        len(cases) >= 150
         and {
             "test_native::test_decode_attention_equals_the_reference",
             "test_native_lora::test_lora_add_equals_the_reference",
             "test_native_norm::test_the_sum_is_torchs_and_the_norm_is_hfs",
             "test_native_step::test_the_fused_step_is_the_torch_path_bit_for_bit",
+            "test_native_gemm::test_linear_is_within_the_fp32_bound_of_the_exact_product",
         }
         <= names
     )

@@ -1,5 +1,6 @@
-"""Packed oneDNN linears in the engine: the same tokens and log-probs as `F.linear`, weights that change are
-packed again, a released model frees its plain weights and still generates the same, clear refusals."""
+"""Packed linears in the engine, on oneDNN's packing and on the native GEMM's (`rollout.kernels`): the same
+tokens and log-probs as `F.linear`, weights that change are packed again, a released model frees its plain
+weights and still generates the same, clear refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.nn import functional as F
 
 import rolerl
 from rolerl.models.lora import RoutedLoRALinear, merged_delta
+from rolerl.rollout import native
 from rolerl.rollout.engine import Engine, GenerationRequest, rollout_copy
 from rolerl.rollout.kv import KVCache
 from rolerl.rollout.packed import (
@@ -30,6 +32,9 @@ pytestmark = pytest.mark.skipif(
     not onednn_supported(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
 )
 
+# the two packings: oneDNN's, and the native fp32 GEMM's (`gemm.c`) where the native kernels build
+NATIVE = pytest.mark.skipif(native.kernel() is None, reason="the native kernels did not build")
+PACKINGS = ["onednn", pytest.param("native", marks=NATIVE)]
 PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,", "Once upon a time there was a"]
 KINDS = ("prompt", "reasoning", "tool_call", "tool_output", "answer")
 
@@ -53,10 +58,11 @@ def with_adapters(model):
     return model
 
 
-def test_linear_layer_equals_f_linear_for_any_row_count():
+@pytest.mark.parametrize("kind", PACKINGS)
+def test_linear_layer_equals_f_linear_for_any_row_count(kind):
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 160, bias=True)
-    packed = PackedLinears(layer, batch_hint=32)
+    packed = PackedLinears(layer, batch_hint=32, kind=kind)
     for shape in [(1, 96), (7, 96), (3, 5, 96), (200, 96)]:
         x = torch.randn(*shape)
         with torch.inference_mode():
@@ -68,23 +74,25 @@ def test_linear_layer_equals_f_linear_for_any_row_count():
     assert "forward" not in layer.__dict__  # swapped back out
 
 
-def test_engine_onednn_equals_torch_kernels_greedy_and_logprobs(tiny):
+@pytest.mark.parametrize("kind", PACKINGS)
+def test_engine_packed_equals_torch_kernels_greedy_and_logprobs(tiny, kind):
     model, tok = tiny
     with_adapters(model)
     for greedy in (True, False):
-        torch_turns, onednn_turns = (
+        torch_turns, packed_turns = (
             Engine(model, tok, max_batch=4, kernels=k).generate(requests(tok, greedy))
-            for k in ("torch", "onednn")
+            for k in ("torch", kind)
         )
-        for a, b in zip(torch_turns, onednn_turns, strict=True):
+        for a, b in zip(torch_turns, packed_turns, strict=True):
             assert a.completion_ids == b.completion_ids  # random tiny models: wide margins, no near ties
             assert_close_ulps(torch.tensor(b.logprobs), torch.tensor(a.logprobs), 4096, torch.float32)
 
 
-def test_a_changed_base_weight_is_packed_again(tiny):
+@pytest.mark.parametrize("kind", PACKINGS)
+def test_a_changed_base_weight_is_packed_again(tiny, kind):
     model, tok = tiny
     with_adapters(model)
-    engine = Engine(model, tok, max_batch=4, kernels="onednn")
+    engine = Engine(model, tok, max_batch=4, kernels=kind)
     before = engine.generate(requests(tok, True))
     with torch.no_grad():
         for layer in model.model.layers:
@@ -95,7 +103,9 @@ def test_a_changed_base_weight_is_packed_again(tiny):
     assert [t.completion_ids for t in after] != [t.completion_ids for t in before]
 
 
-def same_matrix(packed: torch.Tensor, weight: torch.Tensor) -> bool:
+def same_matrix(packed: torch.Tensor | native.PackedWeight, weight: torch.Tensor) -> bool:
+    if isinstance(packed, native.PackedWeight):  # the native GEMM's panels: always a copy
+        return False
     try:
         return packed.data_ptr() == weight.data_ptr()
     except RuntimeError:  # an opaque oneDNN copy has no storage
@@ -103,8 +113,15 @@ def same_matrix(packed: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("tied_head", ["share", "copy"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tied_head_runs_on_the_embeddings_matrix_unless_copied_and_equals_f_linear(dtype, tied_head):
+@pytest.mark.parametrize(
+    "dtype, kind",
+    [
+        (torch.float32, "onednn"),
+        (torch.bfloat16, "onednn"),
+        pytest.param(torch.float32, "native", marks=NATIVE),
+    ],
+)
+def test_a_tied_head_runs_on_the_embeddings_matrix_unless_copied_and_equals_f_linear(dtype, kind, tied_head):
     if not onednn_supported(torch.device("cpu"), dtype):
         pytest.skip(f"no packed oneDNN linear for {dtype} on this CPU")
     torch.manual_seed(0)
@@ -113,8 +130,9 @@ def test_a_tied_head_runs_on_the_embeddings_matrix_unless_copied_and_equals_f_li
     model.head.weight = model.embed.weight  # tied
     model.other = torch.nn.Linear(64, 300, bias=False)  # same shape, its own weight: packed
     model.to(dtype)
-    packed = PackedLinears(model, batch_hint=32, tied_head=tied_head)
+    packed = PackedLinears(model, batch_hint=32, tied_head=tied_head, kind=kind)
     (head, _), (other, _), *_ = packed.weights()
+    assert isinstance(other, native.PackedWeight) == (kind == "native")
     assert same_matrix(head, model.embed.weight) == (tied_head == "share")  # no copy unless asked
     assert not same_matrix(other, model.other.weight)
     for rows in (1, 7, 200):
@@ -131,15 +149,16 @@ def test_a_tied_head_runs_on_the_embeddings_matrix_unless_copied_and_equals_f_li
         PackedLinears(model, tied_head="twice")
 
 
-def test_a_released_model_frees_its_weights_and_generates_the_same(tiny):
+@pytest.mark.parametrize("kind", PACKINGS)
+def test_a_released_model_frees_its_weights_and_generates_the_same(tiny, kind):
     model, tok = tiny
     with_adapters(model)
     plain = copy.deepcopy(model)
-    expected = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="onednn").generate(requests(tok, False))
+    expected = Engine(copy.deepcopy(model), tok, max_batch=4, kernels=kind).generate(requests(tok, False))
     head = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
     before = sum(p.numel() for p in model.parameters())
-    engine = Engine(model, tok, max_batch=4, kernels="onednn", owns_model=True)
+    engine = Engine(model, tok, max_batch=4, kernels=kind, owns_model=True)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     kept = [m for m in linears if m.weight.numel()]
     assert kept == ([head] if tied else [])  # a tied head stays
@@ -150,7 +169,7 @@ def test_a_released_model_frees_its_weights_and_generates_the_same(tiny):
     assert [t.completion_ids for t in got] == [t.completion_ids for t in expected]
     assert [t.logprobs for t in got] == [t.logprobs for t in expected]  # same packed ops, same order
     if tied:  # asked to, a released model's head runs on a packed copy: the embeddings stay for the lookups
-        engine = Engine(plain, tok, max_batch=4, kernels="onednn", owns_model=True, tied_head="copy")
+        engine = Engine(plain, tok, max_batch=4, kernels=kind, owns_model=True, tied_head="copy")
         assert not same_matrix(engine.packed.weights()[-1][0], plain.get_output_embeddings().weight)
         assert plain.get_input_embeddings().weight.numel()
         for a, b in zip(engine.generate(requests(tok, False)), expected, strict=True):  # another GEMM layout
@@ -187,7 +206,8 @@ def assert_same_turns(got, want) -> None:
     assert [t.logprobs for t in got] == [t.logprobs for t in want]
 
 
-def test_a_rollout_copy_frees_its_packed_weights_between_rollouts_and_packs_them_from_the_source(tiny):
+@pytest.mark.parametrize("kind", PACKINGS)
+def test_a_rollout_copy_frees_its_packed_weights_between_rollouts_and_packs_them_from_the_source(tiny, kind):
     """A copy released with its source (the trainer's model) frees its packed weights on `sleep` (nothing
     keeps them alive: the copy takes no memory while the trainer updates) and packs them again from the
     source's weights on the next request; it merges an adapter every token uses and follows the source's
@@ -198,8 +218,8 @@ def test_a_rollout_copy_frees_its_packed_weights_between_rollouts_and_packs_them
 
     model, tok = tiny
     with_adapters(model)
-    engine = Engine(rollout_copy(model, torch.float32), tok, max_batch=4, kernels="onednn", source=model)
-    trainer = Engine(model, tok, max_batch=4, kernels="onednn")
+    engine = Engine(rollout_copy(model, torch.float32), tok, max_batch=4, kernels=kind, source=model)
+    trainer = Engine(model, tok, max_batch=4, kernels=kind)
     assert all(m.weight.numel() == 0 for m in engine.model.modules() if type(m) is torch.nn.Linear
                and m is not engine.model.get_output_embeddings())  # fmt: skip
     for reqs in (requests(tok, False), one_adapter_requests(tok), requests(tok, True)):
@@ -251,16 +271,17 @@ def test_a_source_must_match_the_copy():
         PackedLinears(model).release(other)
 
 
-def test_engines_over_one_model_share_one_packed_copy(tiny):
+@pytest.mark.parametrize("kind", PACKINGS)
+def test_engines_over_one_model_share_one_packed_copy(tiny, kind):
     import gc
     import weakref
 
     model, tok = tiny
     with_adapters(model)
-    first = Engine(model, tok, max_batch=4, kernels="onednn")
-    second = Engine(model, tok, max_batch=8, kernels="onednn")  # e.g. the run's evaluation engine
+    first = Engine(model, tok, max_batch=4, kernels=kind)
+    second = Engine(model, tok, max_batch=8, kernels=kind)  # e.g. the run's evaluation engine
     assert first.packed is second.packed
-    other = Engine(copy.deepcopy(model), tok, max_batch=4, kernels="onednn")
+    other = Engine(copy.deepcopy(model), tok, max_batch=4, kernels=kind)
     assert other.packed is not first.packed and other.packed.model is other.model
     assert [t.completion_ids for t in first.generate(requests(tok, True))] == [
         t.completion_ids for t in other.generate(requests(tok, True))
@@ -271,16 +292,33 @@ def test_engines_over_one_model_share_one_packed_copy(tiny):
     assert packed() is None  # the table does not keep a model (or its packed weights) alive
 
 
-def test_kernel_choice_and_refusals():
+def test_kernel_choice_and_refusals(monkeypatch):
     cpu = torch.device("cpu")
-    assert resolve_kernels("auto", cpu, torch.float32) == "onednn"
+    built = native.kernel()
+    # fp32: the native GEMM where the kernels build with AVX2 or AVX-512, else oneDNN
+    assert resolve_kernels("auto", cpu, torch.float32) == ("native" if built and built.isa else "onednn")
+    bf16 = "onednn" if onednn_supported(cpu, torch.bfloat16) else "torch"
+    assert resolve_kernels("auto", cpu, torch.bfloat16) == bf16  # the native GEMM is fp32 only
+    assert resolve_kernels("onednn", cpu, torch.float32) == "onednn"
     assert resolve_kernels("torch", cpu, torch.float32) == "torch"
     assert resolve_kernels("auto", cpu, torch.float16) == "torch"  # no packed fp16 path
     with pytest.raises(ValueError, match="float16"):
         resolve_kernels("onednn", cpu, torch.float16)
-    with pytest.raises(ValueError, match="kernels must be one of"):
+    with pytest.raises(
+        ValueError, match=r"'native' runs float32 models on CPU; this model is torch.bfloat16"
+    ):
+        resolve_kernels("native", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"kernels must be one of \('auto', 'native', 'onednn', 'torch'\)"):
         resolve_kernels("mkl", cpu, torch.float32)
     assert resolve_kernels("auto", torch.device("cuda"), torch.float32) == "torch"
+    with pytest.raises(ValueError, match="runs float32 models on CPU; this model is torch.float32 on cuda"):
+        resolve_kernels("native", torch.device("cuda"), torch.float32)
+    # no compiler: auto falls back to oneDNN; asked for by name, the reason is given
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    monkeypatch.setattr(native, "_failure", "no C compiler (set CC, or install gcc)")
+    assert resolve_kernels("auto", cpu, torch.float32) == "onednn"
+    with pytest.raises(RuntimeError, match=r"'native': the kernels did not build \(no C compiler"):
+        resolve_kernels("native", cpu, torch.float32)
 
 
 def up8(n: int) -> int:

@@ -21,6 +21,10 @@ row multiplies by its own adapter's matrices only, where torch's path runs every
 under a mask and a block matrix of zeros, in two small GEMMs per fused group that cost more in set-up than
 in arithmetic (`rollout.adapter_kernel`).
 
+`gemm.c` runs the engine's fp32 linear layers on weights laid out once for it (`rollout.kernels: native`,
+`pack` and `linear`): at a decode step's few dozen rows it computes on one panel of a weight while the next
+streams in, where oneDNN's and MKL's GEMMs wait for each block of the weight they read.
+
 `kernel()` compiles the sources once per machine and compiler (`cc -O3 -march=native -fopenmp`; another
 target with `ROLERL_NATIVE_MARCH`, e.g. `x86-64-v3` for AVX2 code on an AVX-512 CPU) into
 `$ROLERL_CACHE/native` (default `~/.cache/rolerl/native`), keyed by the sources, the flags, the compiler's
@@ -54,7 +58,7 @@ from rolerl.models.lora import group_rows
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_attention.c", HERE / "lora.c", HERE / "norm.c")
+SOURCES = (HERE / "decode_attention.c", HERE / "lora.c", HERE / "norm.c", HERE / "gemm.c")
 HEADERS = (HERE / "lanes.h",)
 # no -ffast-math or reassociation: the kernel spells its vector sums out (reduce_lanes), so the compiler
 # keeps IEEE semantics (NaN and inf mean what they say) at no cost
@@ -68,8 +72,8 @@ ATTENTION = ("auto", "native", "torch")
 
 class NativeKernel:
     """The loaded library: `decode_attention(q, k, v, slots, positions, scale)`, `decode_step(qkv, cos, sin,
-    k, v, slots, positions, writes, scale)`, `lora_add(x, y, tables, terms, factors)` and `rms_norm(x, weight,
-    eps, add)`."""
+    k, v, slots, positions, writes, scale)`, `lora_add(x, y, tables, terms, factors)`, `rms_norm(x, weight,
+    eps, add)`, and `pack(weight)` / `linear(x, packed, bias)`."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -93,6 +97,13 @@ class NativeKernel:
         norm.restype = None
         self.path, self._fn, self._lora, self._norm = path, fn, lora, norm
         self.max_head_dim, self.max_groups, self.isa = limit(0), limit(1), limit(2)
+        self._gemm = lib.rolerl_gemm
+        self._gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [cint]
+        self._gemm.restype = None
+        self._gemm_pack = lib.rolerl_gemm_pack
+        self._gemm_pack.argtypes = [ptr, i64, ptr, i64, i64, cint]
+        self._gemm_pack.restype = None
+        self.panel = lib.rolerl_gemm_panel()  # output columns per panel of a packed weight
 
     def covers(self, dtype: torch.dtype, head_dim: int, groups: int) -> str | None:
         """None where the kernel runs a model of this dtype and attention shape, else why not."""
@@ -296,6 +307,51 @@ class NativeKernel:
         )  # fmt: skip
         return total, out
 
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """`weight` `(out, in)` (fp32, CPU) laid out for `linear` (`gemm.c`): a copy of the same size, but
+        for the last panel's padding to a multiple of `panel` columns."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(
+                f"pack: weight {tuple(weight.shape)} {weight.dtype} on {weight.device} is not a 2-D float32 "
+                "matrix on CPU"
+            )
+        n, k = weight.shape
+        weight = weight.detach()
+        if weight.stride(1) != 1:
+            weight = weight.contiguous()
+        panels = weight.new_empty(-(-n // self.panel) * self.panel * k)
+        self._gemm_pack(weight.data_ptr(), weight.stride(0), panels.data_ptr(), n, k, torch.get_num_threads())
+        return PackedWeight(self, panels, n, k)
+
+    def linear(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`F.linear(x, W, bias)` for x `(..., in)` fp32 on CPU and W packed by `pack`: each output the bias
+        plus the products added in input order, the same bits for a row alone or in any batch (`gemm.c`)."""
+        n, k = weight.out_features, weight.in_features
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.dim() < 1
+            or x.shape[-1] != k
+            or (bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32))
+        ):
+            raise ValueError(
+                f"linear: x {tuple(x.shape)} {x.dtype} on {x.device}"
+                + (f", bias {tuple(bias.shape)} {bias.dtype}" if bias is not None else "")
+                + f" do not fit a packed ({n}, {k}) float32 weight: x (..., {k}) and bias ({n},), float32 on CPU"
+            )
+        rows = x.reshape(-1, k) if k else x.new_empty(x.shape[:-1].numel(), 0)
+        if k and rows.stride(1) != 1:
+            rows = rows.contiguous()
+        if bias is not None:
+            bias = bias.detach().contiguous()
+        out = x.new_empty(rows.shape[0], n)
+        self._gemm(
+            rows.data_ptr(), rows.stride(0) if k else 0, weight.panels.data_ptr(),
+            bias.data_ptr() if bias is not None else None, out.data_ptr(), n, rows.shape[0], n, k,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out.view(*x.shape[:-1], n)
+
     def step(self, rows: int, terms: tuple[torch.Tensor, ...] | None, dtype: torch.dtype) -> NativeStep:
         """One decode forward's adapter calls over `rows` rows (`NativeStep`)."""
         return NativeStep(self, rows, terms, dtype)
@@ -303,6 +359,22 @@ class NativeKernel:
     def tables(self, layers, n_slots: int, in_features: int, width: int) -> LoRATables:
         """The adapters of one fused group as `lora_add` reads them (`LoRATables`)."""
         return LoRATables(layers, n_slots, in_features, width)
+
+
+class PackedWeight:
+    """A linear layer's weight `(out_features, in_features)` as `gemm.c` reads it (`NativeKernel.pack`):
+    `panels`, a flat fp32 tensor; `linear` multiplies by it."""
+
+    __slots__ = ("kernel", "panels", "out_features", "in_features", "__weakref__")
+
+    def __init__(
+        self, kernel: NativeKernel, panels: torch.Tensor, out_features: int, in_features: int
+    ) -> None:
+        self.kernel, self.panels = kernel, panels
+        self.out_features, self.in_features = out_features, in_features
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.out_features}, {self.in_features})"
 
 
 class NativeStep:
