@@ -99,7 +99,8 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 class PackedLinears:
-    """The model's linear layers, packed once for oneDNN and swapped in for the duration of a block.
+    """The model's linear layers, packed once (`kind`: oneDNN's format or the native GEMM's panels) and
+    swapped in for the duration of a block.
 
     `groups` packs layers that read the same input as one GEMM (the rollout engine's q/k/v and gate/up:
     `rolerl.rollout.decoder`): their weights concatenated by output rows. Every other linear is a group of
