@@ -59,13 +59,6 @@ def checked_tied_head(tied_head: str) -> str:
     return tied_head
 
 
-def native_gemm(device: torch.device, dtype: torch.dtype) -> native.NativeKernel | None:
-    """The native kernels where their fp32 GEMM (`gemm.c`) runs this device and dtype: CPU, fp32, built."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return None
-    return native.kernel()
-
-
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
     """`rollout.kernels`: `auto` -> `native` for fp32 on a CPU where the native kernels build with AVX2 or
     AVX-512 (docs/BENCHMARKS.md: faster than oneDNN's packed GEMMs at decode steps on AMX, AVX512-BF16 and
@@ -92,7 +85,7 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
         return "native"
     if kernels != "auto":
         return kernels
-    built = native_gemm(device, dtype)
+    built = native.kernel() if device.type == "cpu" and dtype == torch.float32 else None
     if built is not None and built.isa:  # a generic-vector build (neither AVX2 nor AVX-512) is not measured
         return "native"
     return "onednn" if ok else "torch"
