@@ -136,6 +136,7 @@ def gemms(batches: list[int], runs: int) -> None:
     import rolerl
     from rolerl.rollout import native
     from rolerl.rollout.decoder import LeanDecoder
+    from rolerl.rollout.packed import packed_linear
 
     model, _ = rolerl.load_model("default", dtype="float32")
     groups = LeanDecoder(model, 32).groups  # q/k/v, o, gate/up, down per layer, then the head
@@ -143,10 +144,10 @@ def gemms(batches: list[int], runs: int) -> None:
     kernel = native.kernel()
     sides = {
         "F.linear (MKL)": [(F.linear, w) for w in plain],
-        "oneDNN packed": [(_onednn, torch.ops.mkldnn._reorder_linear_weight(w, 32)) for w in plain],
+        "oneDNN packed": [(packed_linear, torch.ops.mkldnn._reorder_linear_weight(w, 32)) for w in plain],
     }
     if kernel is not None:
-        sides["native packed"] = [(kernel.linear, kernel.pack(w)) for w in plain]
+        sides["native packed"] = [(packed_linear, kernel.pack(w)) for w in plain]
     weight_bytes = sum(w.numel() * 4 for w in plain)
     print(describe())
     print(f"{len(plain)} GEMMs per step ({len(plain) - 1} fused groups + the head), {weight_bytes / 1e6:.0f} MB "
@@ -161,7 +162,7 @@ def gemms(batches: list[int], runs: int) -> None:
                 def run(calls=calls, xs=xs) -> None:
                     with torch.inference_mode():
                         for (fn, w), p in zip(calls, plain, strict=True):
-                            fn(xs[p.shape[1]], w)
+                            fn(xs[p.shape[1]], w, None)
 
                 times[name].append(median_ms(run, runs))
         line = "   ".join(
@@ -169,10 +170,6 @@ def gemms(batches: list[int], runs: int) -> None:
             for name, ms in times.items()
         )
         print(f"{rows:4d} rows: {line}")
-
-
-def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 def main() -> None:
