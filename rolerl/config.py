@@ -326,6 +326,11 @@ class TrainConfig(Section):
     # compute a prompt shared by several rows (a GRPO group), or the start all rows' prompts share (the
     # system prompt of imitation data), once per micro-batch (RL and imitation)
     share_prefix: bool = True
+    # rows whose loss is zero at every token (zero advantage, e.g. a GRPO group whose samples all scored alike,
+    # and no KL or entropy term for their role) run no forward or backward in the update: the same gradient
+    # (they add exact zeros). The entropy, PPO ratio and rollout/trainer mismatch metrics then cover the rows
+    # that ran (none in a step where every group scored alike); `update/inert_frac` logs the share skipped
+    skip_inert_rows: bool = True
     # per_minibatch: each mini-batch is one optimizer step of every adapter it touched (an adapter whose role
     # fills k mini-batches takes k steps); merged: each adapter takes one step per PPO epoch, its gradient
     # accumulated over every mini-batch (each mini-batch normalised on its own, as per_minibatch)

@@ -380,6 +380,7 @@ def loss_settings(cfg: Config, policy: Policy) -> LossSettings:
         chunk_size=cfg.train.chunk_size,
         bf16=policy.bf16,
         share_prefix=cfg.train.share_prefix,
+        skip_inert=cfg.train.skip_inert_rows,
         isolation=cfg.adapters.isolation,
         role_beta={r: c.beta for r, c in roles.items() if c.beta is not None},
         role_entropy={r: c.entropy_coef for r, c in roles.items() if c.entropy_coef is not None},

@@ -50,6 +50,7 @@ class LossSettings:
     chunk_size: int | None = None  # positions per log-prob chunk; None: `chunk_positions`
     bf16: bool = False
     share_prefix: bool = True  # one forward per distinct prompt of a micro-batch (rolerl.train.prefix)
+    skip_inert: bool = True  # rows whose loss is zero at every token run no forward (`inert_rows`)
     # route: a token's loss reaches every adapter it depends on; strict: only the adapter of its position
     # (DART's gradient masking; `adapters.isolation`). Strict needs `adapter_params`.
     isolation: str = "route"
@@ -177,6 +178,25 @@ class Aligned:
         self.fresh[which] = False
 
 
+def inert_rows(batch: TrainBatch, s: LossSettings) -> Tensor:
+    """`(B,)` bool: the rows whose every loss term is zero at every token, whose forward and backward add
+    only exact zeros to the gradient: no loss token with a non-zero advantage (a GRPO group whose samples
+    all scored alike) and neither a KL nor an entropy term for their role, or a sequence weight or role
+    loss weight of 0. PPO's clipped term, truncated IS and every aggregation are linear in the advantage.
+    Keep in step with `loss_terms`."""
+    live = batch.loss_mask[:, :-1] > 0
+    signal = ((batch.advantages[:, :-1] != 0) & live).any(-1)  # NaN is signal: it must reach the loss
+    for name in ("beta", "entropy"):
+        coef = s.coefficients(batch, name)  # a float, or (B, 1) per role
+        if isinstance(coef, Tensor):
+            signal |= coef[:, 0].to(signal.device) != 0
+        elif coef != 0:
+            signal[:] = True
+    role_weight = [s.loss_weight.get(r, 1.0) for r in batch.roles]
+    weight = batch.weights * torch.tensor(role_weight, dtype=batch.weights.dtype, device=batch.weights.device)
+    return ~signal | (weight.to(signal.device) == 0)
+
+
 def loss_terms(
     model: nn.Module, mb: TrainBatch, aligned: Aligned, norm: AggNorm, s: LossSettings
 ) -> tuple[Tensor, dict[str, float], Tensor]:
@@ -236,10 +256,11 @@ def loss_terms(
 
 
 def split_metrics(
-    weighted: Tensor, entropy: Tensor, adv: Tensor, mb: TrainBatch, norm: AggNorm, agg: str
+    weighted: Tensor, entropy: Tensor | None, adv: Tensor, mb: TrainBatch, norm: AggNorm, agg: str
 ) -> dict[str, float | Mean]:
     """Per role and per kind of target token: its part of the aggregated loss (aggregation is linear in
-    the loss matrix, so the parts add up to the loss), its loss tokens, mean entropy and mean advantage."""
+    the loss matrix, so the parts add up to the loss), its loss tokens, mean entropy (without `entropy`:
+    rows that ran no forward, none) and mean advantage."""
     mask = mb.loss_mask[:, :-1] > 0  # (b, T-1)
     target = mb.kind_ids[:, 1:]  # (b, T-1): the kind of the token each position predicts
     parts = {f"role/{name}": (mb.role_index[:, :1] == r) & mask for r, name in enumerate(mb.role_names)}
@@ -250,7 +271,8 @@ def split_metrics(
         if n == 0:
             continue
         out[f"{name}/loss"] = float(aggregate(weighted * where, mb.loss_mask[:, :-1], agg, norm))
-        out[f"{name}/entropy"] = Mean(float(entropy[where].float().mean()), n)
+        if entropy is not None:
+            out[f"{name}/entropy"] = Mean(float(entropy[where].float().mean()), n)
         out[f"{name}/advantage"] = Mean(float(adv[where].float().mean()), n)
         out[f"{name}/loss_tokens"] = n  # per optimizer step, like the loss parts
     return out
@@ -368,6 +390,8 @@ class Part:
     # the rows this process computes (data parallelism: its own episodes'); None = every row. Normalisers
     # and role shares always count every row.
     owned: frozenset[int] | None = None
+    # rows that run no forward because their loss is zero at every token (`inert_rows`; set by `ppo_update`)
+    inert: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, model: nn.Module, batch: TrainBatch, owned: Sequence[int] | None = None) -> Part:
@@ -380,7 +404,14 @@ class Part:
 
     def mine(self, rows: Sequence[int]) -> list[int]:
         """The positions in `rows` (row indices of this part) of the rows this process computes."""
-        return [j for j, r in enumerate(rows) if self.owned is None or r in self.owned]
+        return [j for j, r in enumerate(rows) if self._owns(r) and r not in self.inert]
+
+    def idle(self, rows: Sequence[int]) -> list[int]:
+        """The positions in `rows` of this process's inert rows: counted in the metrics, never run."""
+        return [j for j, r in enumerate(rows) if self._owns(r) and r in self.inert]
+
+    def _owns(self, row: int) -> bool:
+        return self.owned is None or row in self.owned
 
 
 @dataclass
@@ -433,11 +464,20 @@ def ppo_update(
     update of one optimizer step, half of them with two mini-batches. Either way the rollout/trainer
     mismatch is measured once on every row (without recomputing, on the first mini-batch's rows: a random
     share, at no extra cost). `progress(done, total)` is called after each micro-batch forward.
+
+    With `s.skip_inert`, rows whose loss is zero at every token (`inert_rows`: in GRPO, every row of a group
+    whose samples scored alike) run no forward, backward or recompute: they would add exact zeros, so the
+    gradient is the same up to float rounding (other rows share the micro-batches), and an adapter that only
+    they reach still steps with a zero gradient (as AdamW moved it when they ran). The normalisers, role
+    shares, loss-token counts and advantage means count them; the entropy, PPO ratio and rollout/trainer
+    mismatch metrics cover the rows that ran. `update/inert_frac` is the step's share of inert rows.
     """
     alg = s.algorithm
     offsets = [0]
     for part in parts:
         offsets.append(offsets[-1] + part.batch.input_ids.shape[0])
+        inert = inert_rows(part.batch, s) if s.skip_inert else torch.zeros(0, dtype=torch.bool)
+        part.inert = frozenset(inert.nonzero().squeeze(1).tolist())
     roles = [r for part in parts for r in part.batch.roles]
     order0 = torch.randperm(offsets[-1], generator=generator)  # epoch 0's, drawn first: it decides `early`
     first = schedule.mini_batches_of(order0, roles)
@@ -502,6 +542,7 @@ def ppo_update(
             # not recomputed
             measure = epoch == 0 and (k == 0 or schedule.merged)
             loss, mb_sums, hit = _mini_batch(parts, rows, offsets, s, micro_batch_size, tick, measure)
+            _zero_grads(optimizer, _reached_by_inert(parts, rows, offsets, s))
             touched.update(hit)
             losses.append(loss)
             sums.merge(mb_sums)
@@ -526,6 +567,7 @@ def ppo_update(
     metrics["loss/total"] = sum(losses) / max(len(losses), 1)
     metrics["grad_norm"] = sum(n["global"] for n in norms) / max(len(norms), 1)
     metrics["optimizer_steps"] = float(len(norms))
+    metrics["update/inert_frac"] = sum(len(part.inert) for part in parts) / max(offsets[-1], 1)
     for group in optimizer.groups:
         mine = [n[group.name] for n in norms if group.name in n]
         if mine:
@@ -539,6 +581,35 @@ def _merged(parts: Sequence[Sums]) -> Sums:
     for part in parts:
         out.merge(part)
     return out
+
+
+def _reached_by_inert(
+    parts: Sequence[Part], rows: Tensor, offsets: Sequence[int], s: LossSettings
+) -> set[str]:
+    """The adapters this process's inert rows among `rows` would have given a (zero) gradient had they run:
+    those routed at any of their positions, under strict isolation at their loss positions."""
+    out = set()
+    for i, part in enumerate(parts):
+        local = _local(rows, offsets, i)
+        idle = [local[j] for j in part.idle(local)]
+        if not idle:
+            continue
+        batch = part.batch
+        if s.isolation == "route":
+            at = batch.routes[idle][batch.attention_mask[idle] > 0]
+        else:
+            at = batch.routes[idle, :-1][batch.loss_mask[idle, :-1] > 0]
+        out |= {part.adapters[a] for a in at.unique().tolist() if a >= 0}
+    return out
+
+
+def _zero_grads(optimizer: Optimizer, adapters: set[str]) -> None:
+    """A zero gradient for each trainable parameter of `adapters` that has none: the optimizer steps them."""
+    for group in optimizer.groups:
+        if group.name in adapters:
+            for p in group.params.values():
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
 
 
 def _local(rows: Tensor, offsets: Sequence[int], i: int) -> list[int]:
@@ -570,6 +641,12 @@ def _mini_batch(
         live = sub.loss_mask.sum(-1) > 0  # (b,)
         used = sub.routes[live][sub.attention_mask[live] > 0].unique().tolist()
         hit |= {part.adapters[a] for a in used if a >= 0}  # over every rank's rows: the same on each
+        idle = part.idle(local)
+        if idle:  # inert rows: zero loss parts, their tokens and (zero) advantages; no entropy
+            rest = select_rows(sub, idle)
+            zeros = torch.zeros_like(rest.advantages[:, :-1])
+            split = split_metrics(zeros, None, rest.advantages[:, :-1], rest, norm, s.algorithm.loss_agg)
+            sums.add(float(rest.loss_mask.sum()), {"loss/pg": 0.0, **split})
         mine = part.mine(local)
         if not mine:
             continue

@@ -62,12 +62,17 @@ def global_batch(model, route_of):
     return batch, [list(range(5)), [5, 6, 7]]
 
 
-def update(dist: Dist, isolation: str, merged: bool) -> dict:
+def update(dist: Dist, isolation: str, merged: bool, inert: bool = False) -> dict:
+    """`inert`: no KL or entropy term, and rows 2 and 5-7 (all of rank 1's) with zero advantage: they run no
+    forward, so rank 1 computes nothing at all."""
     model, _, route_of = dart_model(default_tokenizer(), dtype=torch.float64)
     batch, owned = global_batch(model, route_of)
     optimizer = model_optimizer(model, lr=1e-2, weight_decay=0.1)
-    s = settings(beta=0.05, entropy_coef=0.01, loss_agg="seq-mean-token-mean", old_logp="recompute")
+    coefs = {} if inert else {"beta": 0.05, "entropy_coef": 0.01}
+    s = settings(loss_agg="seq-mean-token-mean", old_logp="recompute", **coefs)
     s.isolation = isolation
+    if inert:
+        batch.advantages[[2, 5, 6, 7]] = 0.0
     part = Part.of(model, batch, owned[dist.rank] if dist.active else None)
     metrics = ppo_update(
         [part], optimizer, s, Schedule(ppo_epochs=2, mini_batches=2, merged=merged),
@@ -77,14 +82,18 @@ def update(dist: Dist, isolation: str, merged: bool) -> dict:
     return {"metrics": metrics, "params": params, "steps": dict(optimizer.steps)}
 
 
-CASES = [("strict", False), ("route", True)]  # (isolation, merged step policy)
+CASES = [
+    ("strict", False, False),
+    ("route", True, False),
+    ("route", False, True),
+]  # (isolation, merged, inert)
 
 
 def update_rank(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        results = [update(Dist(rank, world), isolation, merged) for isolation, merged in CASES]
+        results = [update(Dist(rank, world), *case) for case in CASES]
         torch.save(results, f"{out}.{rank}")
     finally:
         torch.distributed.destroy_process_group()
@@ -96,8 +105,9 @@ def test_two_ranks_update_equals_one_process(tmp_path):
     out = str(tmp_path / "result")
     mp.spawn(update_rank, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
-    for case, (isolation, merged) in enumerate(CASES):
-        one = update(SINGLE, isolation, merged)
+    for case, (isolation, merged, inert) in enumerate(CASES):
+        one = update(SINGLE, isolation, merged, inert)
+        assert one["metrics"]["update/inert_frac"] == (0.5 if inert else 0.0)
         for got in (ranks[0][case], ranks[1][case]):
             assert got["steps"] == one["steps"] and one["steps"]["tool"] > 0
             for name, p in one["params"].items():

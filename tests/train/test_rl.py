@@ -35,6 +35,9 @@ TINY = [
     # fp32 on every machine: train.bf16=auto picks bf16 on a CPU with AVX512-BF16/AMX, and these tests'
     # tolerances (trainer vs rollout log-probs < 1e-3) are fp32's; bf16 rounding alone is ~1e-1 there
     "train.bf16=false",
+    # every row runs in the update, also those of groups that scored alike (a tiny random model's groups often
+    # all do): the tests compare every row's rollout log-probs with the trainer's (`logp_mismatch/*`)
+    "train.skip_inert_rows=false",
 ]
 
 
@@ -58,6 +61,7 @@ def test_two_step_smoke_run_trains_adapters_only(tmp_path):
             math.isfinite(r[k]) for k in ("loss/total", "loss/pg", "loss/kl", "kl", "entropy", "grad_norm")
         )
         assert r["logp_mismatch/max_abs"] < 1e-3 and r["optimizer_steps"] == 2.0
+        assert r["update/inert_frac"] == 0.0  # beta > 0: every row has a loss (its KL), none is skipped
         assert r["role/policy/turns"] == 8.0 and "time/rollout" in r and "tools/calls" in r
     assert rows[0]["lr"] == pytest.approx(0.01)  # warm-up step 1 of 1: the full lr
     params = dict(policy.model.named_parameters())

@@ -151,6 +151,7 @@ def test_orch_workers_trains_on_the_tiny_model(tmp_path):
 def test_orch_workers_on_the_default_model(tmp_path, preset):
     cfg = load_config(None, [
         "model.spec=default", "model.device=cpu", "train.bf16=false", f"run.dir={tmp_path}", "train.steps=2",
+        "train.skip_inert_rows=false",  # every row's rollout log-probs against the trainer's (logp_mismatch)
         "train.tasks_per_step=1", "rollout.n=2", "rollout.max_new_tokens=32", "task.name=arithmetic",
         "task.workflow=rolerl.workflows.orch_workers:OrchWorkers", f"adapters.preset={preset}",
         "adapters.rank=4", "run.progress=false", "run.tensorboard=false", "algorithm.group_key=role",

@@ -303,6 +303,7 @@ def test_reasoner_tools_on_the_default_model(tmp_path, monkeypatch, topology):
     reasoner_always_asks(monkeypatch)  # the untrained 135M model does not follow the request protocol
     cfg = load_config(None, [
         "model.spec=default", "model.device=cpu", "train.bf16=false", f"run.dir={tmp_path}", "train.steps=2",
+        "train.skip_inert_rows=false",  # every row's rollout log-probs against the trainer's (logp_mismatch)
         "train.tasks_per_step=1", "rollout.n=2", "rollout.max_new_tokens=32", "task.name=arithmetic",
         "task.workflow=rolerl.workflows.reasoner_tools:ReasonerTools", "rollout.tool=python",
         "task.workflow_options={max_tool_requests: 1, coder_samples: 2}", *TOPOLOGIES[topology],

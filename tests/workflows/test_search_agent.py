@@ -98,6 +98,7 @@ def search_run(shared_data, tmp_path, topology: str, model: list[str]) -> list[d
         "task.name=hotpotqa", f"task.data={shared_data}", "task.split=dev_ircot500", "task.workflow=search_agent",
         "rollout.tool=search", f"rollout.tool_options={{corpus: {corpus}, cache_dir: {tmp_path / 'bm25'}}}",
         f"adapters.preset={topology}", "adapters.rank=4", "run.progress=false", "run.tensorboard=false",
+        "train.skip_inert_rows=false",  # every row's rollout log-probs against the trainer's (logp_mismatch)
     ])  # fmt: skip
     train(cfg)
     rows = RunDir(tmp_path / "run", tensorboard=False).read_metrics()
