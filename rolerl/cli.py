@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 EPILOG = """examples:
-  rolerl demo                                  base eval -> imitation -> GRPO -> eval (~15 min on CPU)
+  rolerl demo                                  base eval -> imitation -> GRPO -> eval (~4 min on 2 cores)
   rolerl demo --quick                          a ~2 minute pipeline check of every stage
   rolerl generate --prompt "What is 2**10?" --tools python --greedy --json
   rolerl adapters --model default --names reason tool --rank 8 --out adapters/
