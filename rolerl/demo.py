@@ -49,8 +49,11 @@ class DemoSettings:
     @classmethod
     def quick_check(cls, **kw: Any) -> DemoSettings:
         """About 2 minutes on 2 cores: fewer problems and demonstrations, 2 GRPO steps of 2 x 8 episodes.
-        It checks that every stage works on this machine; 2 steps are too few to move accuracy."""
-        overrides = ("train.tasks_per_step=2", *kw.pop("overrides", ()))  # the user's --set wins
+        It checks that every stage works on this machine; 2 steps are too few to move accuracy. Every row runs
+        the update's forward and backward (`train.skip_inert_rows=false`): its two groups often score alike,
+        which would leave that stage unchecked."""
+        overrides = ("train.tasks_per_step=2", "train.skip_inert_rows=false", *kw.pop("overrides", ()))
+        # (the user's --set comes last and wins)
         return cls(**{"demos": 48, "eval_format": 8, "eval_rl": 24, "eval_base": 8, "rl_steps": 2,
                       "overrides": overrides, "quick": True, **kw})  # fmt: skip
 

@@ -25,6 +25,8 @@ def test_two_step_demo_on_the_tiny_model_writes_metrics_adapters_and_plot(tmp_pa
     assert json.loads((run / "results.json").read_text()) == results
     metrics = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("reward/mean" in m for m in metrics)
+    # quick checks the update too: every row runs its forward and backward, also in groups that scored alike
+    assert all(m["update/inert_frac"] == 0.0 and "entropy" in m for m in metrics)
     adapter = run / "rl" / "checkpoints" / "step_2" / "adapters" / "policy"
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
     assert (run / "sft" / "adapters" / "policy" / "adapter_config.json").exists()
@@ -32,3 +34,12 @@ def test_two_step_demo_on_the_tiny_model_writes_metrics_adapters_and_plot(tmp_pa
     assert len((run / "demonstrations.jsonl").read_text().splitlines()) == 48
     assert main(args) == 2, "a finished demo is never overwritten"
     assert "already holds a demo" in capsys.readouterr().err
+
+
+def test_quick_runs_every_row_of_the_update_unless_told_otherwise():
+    from rolerl.demo import DemoSettings, demo_config
+
+    assert demo_config(DemoSettings()).train.skip_inert_rows is True
+    assert demo_config(DemoSettings.quick_check()).train.skip_inert_rows is False
+    mine = DemoSettings.quick_check(overrides=("train.skip_inert_rows=true",))  # the user's --set wins
+    assert demo_config(mine).train.skip_inert_rows is True and demo_config(mine).train.tasks_per_step == 2

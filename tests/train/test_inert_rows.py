@@ -130,7 +130,7 @@ def test_skipping_inert_rows_gives_the_update_of_every_row(tokenizer, monkeypatc
     assert "entropy" not in skipped[2] and every[2]["entropy"] > 0  # no row ran: no entropy to report
 
 
-def test_the_last_model_state_moves_under_adam_momentum_alone(tokenizer):
+def test_an_update_with_no_signal_still_moves_the_adapters_on_adam_momentum(tokenizer):
     """The premise of the third update above: with every advantage zero, AdamW still moves the adapters
     (momentum from the steps before), so an update that skipped the step would differ."""
     base, _, route_of = dart_model(tokenizer, dtype=torch.float64)
