@@ -1,9 +1,9 @@
 """Inert rows (`train.skip_inert_rows`): rows whose loss is zero at every token run no forward in the update.
 Which rows are inert, by hand; and the update with them skipped equals the update with every row run (the
 adapters after three updates, Adam's steps, the loss and the token counts) under both isolations, two
-mini-batches, merged steps, two PPO epochs and recomputed old log-probs with TIS, while the forwards see
-only the rows with a signal. The third update has no signal at all: Adam still steps on its momentum, as
-it did when the rows ran with zero gradients."""
+mini-batches, merged steps, two PPO epochs and recomputed old log-probs with TIS, and two models in one
+update, while the forwards see only the rows with a signal. An update with no signal at all still steps
+AdamW on its momentum, as it did when the rows ran with zero gradients; so does a run through `train`."""
 
 from __future__ import annotations
 
@@ -128,6 +128,49 @@ def test_skipping_inert_rows_gives_the_update_of_every_row(tokenizer, monkeypatc
                 # means of the batch's fp32 advantages over other groupings: fp32 rounding
                 assert skipped[k][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (k, key)
     assert "entropy" not in skipped[2] and every[2]["entropy"] > 0  # no row ran: no entropy to report
+
+
+def test_a_model_whose_rows_are_all_inert_still_steps_its_adapter(tokenizer):
+    """Two models in one update (the `separate` preset's parts): in the second update every row of model B is
+    inert and some of model A's. Skipping them gives every run's adapters and AdamW steps per adapter: B's
+    adapter still steps on momentum."""
+    import rolerl
+    from rolerl.config import OptimConfig
+    from rolerl.models.topology import Topology
+    from rolerl.train.optim import Optimizer, adapter_groups
+    from tests.models.test_lora import randomize_adapters
+
+    def build():
+        models, batches = {}, {}
+        for k, name in enumerate(("a", "b")):
+            model, _ = rolerl.tiny_model("llama", seed=k, tokenizer=tokenizer, dtype=torch.float64)
+            rolerl.add_adapters(model, [name], rank=4)
+            randomize_adapters(model, seed=k + 1, std=0.1)
+            route_of = Topology.from_preset("shared", ["policy"]).route_of("policy", {"policy": 0})
+            models[name] = model
+            batches[name] = [hand_batch(model, route_of, n=4, seed=10 * k + j) for j in range(2)]
+        batches["a"][1].advantages[[0, 2]] = 0.0
+        batches["b"][1].advantages.zero_()
+        return models, batches
+
+    runs = {}
+    for skip in (False, True):
+        models, batches = build()
+        optimizer = Optimizer(adapter_groups(models, {"a": 1e-2, "b": 1e-2}), OptimConfig(lr=1e-2))
+        s = settings()
+        s.skip_inert = skip
+        for j in range(2):
+            parts = [Part.of(models[n], batches[n][j]) for n in ("a", "b")]
+            last = ppo_update(parts, optimizer, s, Schedule(mini_batches=2), micro_batch_size=2,
+                              generator=torch.Generator().manual_seed(j))  # fmt: skip
+        params = {f"{n}.{k}": p.detach().clone() for n, m in models.items()
+                  for k, p in m.named_parameters() if "lora_" in k}  # fmt: skip
+        runs[skip] = params, dict(optimizer.steps), last
+    (want, want_steps, every), (got, got_steps, skipped) = runs[False], runs[True]
+    assert got_steps == want_steps == {"a": 4, "b": 4}
+    assert skipped["update/inert_frac"] == 6 / 8 and every["update/inert_frac"] == 0.0
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=0, atol=1e-6, msg=name)
 
 
 def test_an_update_with_no_signal_still_moves_the_adapters_on_adam_momentum(tokenizer):
