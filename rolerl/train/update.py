@@ -541,8 +541,8 @@ def ppo_update(
             # the forwards before the first optimizer step measure the rollout/trainer mismatch of the rows
             # not recomputed
             measure = epoch == 0 and (k == 0 or schedule.merged)
-            loss, mb_sums, hit = _mini_batch(parts, rows, offsets, s, micro_batch_size, tick, measure)
-            _zero_grads(optimizer, _reached_by_inert(parts, rows, offsets, s))
+            loss, mb_sums, hit, idle = _mini_batch(parts, rows, offsets, s, micro_batch_size, tick, measure)
+            _zero_grads(optimizer, idle)
             touched.update(hit)
             losses.append(loss)
             sums.merge(mb_sums)
@@ -583,26 +583,6 @@ def _merged(parts: Sequence[Sums]) -> Sums:
     return out
 
 
-def _reached_by_inert(
-    parts: Sequence[Part], rows: Tensor, offsets: Sequence[int], s: LossSettings
-) -> set[str]:
-    """The adapters this process's inert rows among `rows` would have given a (zero) gradient had they run:
-    those routed at any of their positions, under strict isolation at their loss positions."""
-    out = set()
-    for i, part in enumerate(parts):
-        local = _local(rows, offsets, i)
-        idle = [local[j] for j in part.idle(local)]
-        if not idle:
-            continue
-        batch = part.batch
-        if s.isolation == "route":
-            at = batch.routes[idle][batch.attention_mask[idle] > 0]
-        else:
-            at = batch.routes[idle, :-1][batch.loss_mask[idle, :-1] > 0]
-        out |= {part.adapters[a] for a in at.unique().tolist() if a >= 0}
-    return out
-
-
 def _zero_grads(optimizer: Optimizer, adapters: set[str]) -> None:
     """A zero gradient for each trainable parameter of `adapters` that has none: the optimizer steps them."""
     for group in optimizer.groups:
@@ -625,9 +605,11 @@ def _mini_batch(
     micro_batch_size: int,
     tick: Callable[[], None],
     measure: bool,
-) -> tuple[float, Sums, set[str]]:
-    """Accumulate one mini-batch's gradients over every part it has rows of; returns its loss, metric sums
-    and the adapters its rows ran through."""
+) -> tuple[float, Sums, set[str], set[str]]:
+    """Accumulate one mini-batch's gradients over every part it has rows of; returns its loss, metric sums,
+    the adapters its rows ran through, and the adapters this process's inert rows would have given a (zero)
+    gradient had they run (those routed at any of their positions; under strict isolation, at their loss
+    positions)."""
     subs = []
     for i, part in enumerate(parts):
         local = _local(rows, offsets, i)
@@ -636,7 +618,7 @@ def _mini_batch(
             subs.append((part, local, sub))
     norm = AggNorm.of(*[sub.loss_mask for _, _, sub in subs], horizon=s.horizon)
     _share_roles([sub for _, _, sub in subs], s)
-    loss, sums, hit = 0.0, Sums(), set()
+    loss, sums, hit, reached = 0.0, Sums(), set(), set()
     for part, local, sub in subs:
         live = sub.loss_mask.sum(-1) > 0  # (b,)
         used = sub.routes[live][sub.attention_mask[live] > 0].unique().tolist()
@@ -647,6 +629,11 @@ def _mini_batch(
             zeros = torch.zeros_like(rest.advantages[:, :-1])
             split = split_metrics(zeros, None, rest.advantages[:, :-1], rest, norm, s.algorithm.loss_agg)
             sums.add(float(rest.loss_mask.sum()), {"loss/pg": 0.0, **split})
+            if s.isolation == "route":
+                at = rest.routes[rest.attention_mask > 0]
+            else:
+                at = rest.routes[:, :-1][rest.loss_mask[:, :-1] > 0]
+            reached |= {part.adapters[a] for a in at.unique().tolist() if a >= 0}
         mine = part.mine(local)
         if not mine:
             continue
@@ -664,7 +651,7 @@ def _mini_batch(
             sums.add(0.0, _mismatch(logp, sub.old_logp, sub.loss_mask, s.algorithm.tis_cap, sub))
     for name, share in _role_shares(subs, s).items():
         sums.add(0.0, {f"role/{name}/loss_share": Mean(share, 1.0)})
-    return loss, sums, hit
+    return loss, sums, hit, reached
 
 
 def _share_roles(subs: Sequence[TrainBatch], s: LossSettings) -> None:
