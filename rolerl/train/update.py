@@ -476,8 +476,8 @@ def ppo_update(
     offsets = [0]
     for part in parts:
         offsets.append(offsets[-1] + part.batch.input_ids.shape[0])
-        inert = inert_rows(part.batch, s) if s.skip_inert else torch.zeros(0, dtype=torch.bool)
-        part.inert = frozenset(inert.nonzero().squeeze(1).tolist())
+        inert = inert_rows(part.batch, s).nonzero().squeeze(1).tolist() if s.skip_inert else ()
+        part.inert = frozenset(inert)
     roles = [r for part in parts for r in part.batch.roles]
     order0 = torch.randperm(offsets[-1], generator=generator)  # epoch 0's, drawn first: it decides `early`
     first = schedule.mini_batches_of(order0, roles)
@@ -541,8 +541,10 @@ def ppo_update(
             # the forwards before the first optimizer step measure the rollout/trainer mismatch of the rows
             # not recomputed
             measure = epoch == 0 and (k == 0 or schedule.merged)
-            loss, mb_sums, hit, idle = _mini_batch(parts, rows, offsets, s, micro_batch_size, tick, measure)
-            _zero_grads(optimizer, idle)
+            loss, mb_sums, hit, reached = _mini_batch(
+                parts, rows, offsets, s, micro_batch_size, tick, measure
+            )
+            _zero_grads(optimizer, reached)  # the adapters only inert rows reached step as when they ran
             touched.update(hit)
             losses.append(loss)
             sums.merge(mb_sums)
