@@ -191,10 +191,11 @@ class RouteState:
                 if isinstance(route, torch.Tensor)
                 else torch.tensor([route], device=like.device)  # one route for every token
             )
-            owner = torch.repeat_interleave(torch.tensor(layout, device=like.device), torch.tensor(ranks))
-            scale = torch.repeat_interleave(torch.tensor(scalings, device=like.device), torch.tensor(ranks))
+            repeats = torch.tensor(ranks, device=like.device)  # on the device: CUDA's index_select needs it there
+            owner = torch.repeat_interleave(torch.tensor(layout, device=like.device), repeats)
+            scale = torch.repeat_interleave(torch.tensor(scalings, device=like.device), repeats)
             hit = route[:, None] == owner[None, :]  # (N, R)
-            zero = torch.zeros((), dtype=like.dtype)
+            zero = torch.zeros((), dtype=like.dtype, device=like.device)
             mask = torch.where(hit, scale.to(like.dtype), zero)
             if merged is not None:
                 mask = mask - torch.where(owner == merged, scale.to(like.dtype), zero)

@@ -19,6 +19,7 @@ full `(B, T, d)` tensor of a padded batch is never assembled.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ from rolerl.roles import PROMPT as PROMPT_KIND
 from rolerl.types import TrainBatch
 
 PROMPT = KIND_INDEX[PROMPT_KIND]
+_CACHE_ARG: dict[type, str] = {}
 PACKED_ROWS = "rolerl_packed_rows"  # no mask function registered: transformers builds no mask for it
 MIN_COMMON = 8  # a common start of different prompts shorter than this is not worth the second pass
 
@@ -92,6 +94,17 @@ def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int
     return prompt_len, torch.tensor(group, device=device), firsts
 
 
+def cache_arg(decoder: nn.Module, cache: DynamicCache) -> dict:
+    """`{name: cache}` for the decoder's cache argument: `cache` in newer transformers 5.x, `past_key_values`
+    before. The other name would vanish into the decoder's `**kwargs`: the cache silently unused, the rows
+    attending to nothing of their prompt."""
+    kind = type(decoder)
+    if kind not in _CACHE_ARG:
+        params = inspect.signature(decoder.forward).parameters
+        _CACHE_ARG[kind] = "cache" if "cache" in params else "past_key_values"
+    return {_CACHE_ARG[kind]: cache}
+
+
 def _common_prefix(batch: TrainBatch, limit: int) -> int:
     """How many leading positions (at most `limit`) every row has alike, ids and routes."""
     ids, routes = batch.input_ids[:, :limit], batch.routes[:, :limit]  # (B, L)
@@ -125,7 +138,7 @@ def _shared_forward(
             input_ids=p_ids,
             attention_mask=p_valid.long(),
             position_ids=torch.arange(p, device=device).expand(u, p),
-            cache=cache,
+            **cache_arg(decoder, cache),
             use_cache=True,
         ).last_hidden_state  # (U, P, d)
     # 2. each row's own tokens, attending to its group's prompt keys and values: packed end to end (CPU,
@@ -162,7 +175,7 @@ def _padded_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p
             input_ids=s_ids,
             attention_mask=_suffix_mask(model, prompt_len, p, s),
             position_ids=cols,
-            cache=rows_cache,
+            **cache_arg(decoder, rows_cache),
             use_cache=True,
         ).last_hidden_state  # (B, S, d)
     return s_hidden.reshape(b * s, -1), torch.arange(b, device=device) * s
@@ -197,7 +210,11 @@ def _packed_rows(model, decoder, batch, routes, cache, prompt_len, group, own, p
     layout = PackedRows.of(own.tolist(), (group * p).tolist(), prompt_len.tolist(), u * p, device)
     with lora_routes(model, s_routes), attention_implementation(model, PACKED_ROWS):
         s_hidden = decoder(
-            input_ids=s_ids, position_ids=cols[None], cache=rows_cache, use_cache=True, rolerl_rows=layout
+            input_ids=s_ids,
+            position_ids=cols[None],
+            use_cache=True,
+            rolerl_rows=layout,
+            **cache_arg(decoder, rows_cache),
         ).last_hidden_state  # (1, N, d)
     return s_hidden[0], start
 

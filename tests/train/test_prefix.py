@@ -190,3 +190,26 @@ def test_no_sharing_when_it_cannot_help_or_cannot_be_masked(tokenizer):
     assert prompt_len.tolist() == [5, 5, 5, 9, 9, 2]
     model.config._attn_implementation = "flash_attention_2"  # takes no 4D mask
     assert prefix._plan(model, batch) is None
+
+
+def test_the_decoder_fills_the_cache_passed_under_its_own_argument_name(tokenizer):
+    """transformers 5.x renamed the decoder's cache argument (`past_key_values` -> `cache`); the other name
+    vanishes into `**kwargs`, and the row pass then attends to nothing of its prompt (what the H200 check of
+    2026-12-04 found under transformers 5.17). Whatever version is installed, the cache we pass is filled."""
+    model, _ = rolerl.tiny_model("qwen3", seed=0, tokenizer=tokenizer)
+    decoder = model.get_decoder()
+    cache = prefix.DynamicCache()
+    ids = torch.arange(3, 10)[None]  # (1, 7)
+    decoder(input_ids=ids, use_cache=True, **prefix.cache_arg(decoder, cache))
+    assert cache.get_seq_length() == 7
+
+
+def test_cache_arg_follows_the_signature():
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    assert list(prefix.cache_arg(New(), "c")) == ["cache"]
+    assert list(prefix.cache_arg(Old(), "c")) == ["past_key_values"]
