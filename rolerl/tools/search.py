@@ -1,6 +1,7 @@
 """Retrieval for search agents: a BM25 index over a local passage corpus (cached on disk) and the `search`
 tool; the client for any Search-R1-style retrieval server and our own such server are in
-`rolerl.tools.retrieval_http`.
+`rolerl.tools.retrieval_http`, and the types both use (`Passage`, `Retriever`, `RetrieverError`, still
+importable from here) in `rolerl.tools.retrieval_types`.
 
 Everything that retrieves has one method, `search(queries, k) -> list[list[Passage]]` (`Retriever`), so
 the tool works the same over a local index or a remote server. The wire protocol is Search-R1's
@@ -24,36 +25,34 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, get_args
 
 from rolerl.tools.base import ToolResult
+
+# The shared types live below this module and `retrieval_http` (which must not import this one); they
+# stay importable from here, where they were first defined.
+from rolerl.tools.retrieval_types import Passage, Retriever, RetrieverError
+
+__all__ = [
+    "CACHE_DIR",
+    "BM25Retriever",
+    "Passage",
+    "PassageFormat",
+    "Retriever",
+    "RetrieverError",
+    "SearchTool",
+    "format_passages",
+    "load_corpus",
+    "search_tool",
+]
 
 log = logging.getLogger(__name__)
 
 PassageFormat = Literal["search_r1", "plain"]
 CACHE_DIR = Path(os.environ.get("ROLERL_CACHE", Path.home() / ".cache" / "rolerl")) / "bm25"  # as models
 _CACHE_FORMAT = 1  # bump when the cache layout changes: old entries then fail validation and are rebuilt
-
-
-@dataclass(frozen=True)
-class Passage:
-    id: str
-    title: str
-    text: str
-    score: float = 0.0  # the retriever's score for the query it answered (0.0 when unknown)
-
-
-class Retriever(Protocol):
-    def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
-        """The top `k` passages of each query, best first (fewer when fewer match)."""
-        ...
-
-
-class RetrieverError(RuntimeError):
-    """The retrieval backend failed (an HTTP error, an answer of the wrong shape). Timeouts raise
-    `TimeoutError` instead, so the tool can mark them as such."""
 
 
 def format_passages(passages: Sequence[Passage], fmt: PassageFormat = "search_r1") -> str:
@@ -289,9 +288,11 @@ def search_tool(
     fmt: PassageFormat = "search_r1",
     cache_dir: str | None = None,
     max_output_chars: int = 8000,
+    max_attempts: int = 5,
 ) -> SearchTool:
     """The `search` tool factory (`TOOLS["search"]`): BM25 over a local `corpus` file, or the retrieval
-    server at `url` (`.../retrieve`). Exactly one of them."""
+    server at `url` (`.../retrieve`). Exactly one of them. With `url`, a call tries up to `max_attempts`
+    times on connection errors and HTTP 5xx, all within `timeout_s` (`HTTPRetriever`)."""
     if (corpus is None) == (url is None):
         raise ValueError(
             "the search tool needs exactly one of corpus (a passage file) or url (a /retrieve URL)"
@@ -302,5 +303,5 @@ def search_tool(
     else:
         from rolerl.tools.retrieval_http import HTTPRetriever
 
-        retriever = HTTPRetriever(url, timeout_s)  # type: ignore[arg-type]
+        retriever = HTTPRetriever(url, timeout_s, max_attempts=max_attempts)  # type: ignore[arg-type]
     return SearchTool(retriever, k, fmt, max_output_chars)

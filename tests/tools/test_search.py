@@ -175,7 +175,8 @@ def test_server_and_client_agree(server, small):
     assert (status, body) == (200, {"result": [[doc]]})  # without return_scores: documents only
     status, body = _post(server.url, json.dumps({"queries": ["Colosseum"], "return_scores": True}).encode())
     assert body["result"][0][0]["document"] == doc and body["result"][0][0]["score"] > 0
-    tool = search_tool(url=server.url, k=1)
+    tool = search_tool(url=server.url, k=1, max_attempts=2)
+    assert tool.retriever.max_attempts == 2  # type: ignore[attr-defined]
     assert (
         tool.run("Colosseum").stdout
         == "Doc 1(Title: Rome) Rome is the capital of Italy and has the Colosseum.\n"
@@ -216,8 +217,8 @@ def test_http_500_is_a_tool_error():
     srv = RetrieverServer(_Broken(), "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
     try:
-        client = HTTPRetriever(srv.url, timeout_s=5)
-        with pytest.raises(RetrieverError, match="HTTP 500.*index on fire"):
+        client = HTTPRetriever(srv.url, timeout_s=5, backoff_s=0.01)  # a 5xx is retried: 5 attempts
+        with pytest.raises(RetrieverError, match=r"failed after 5 attempt\(s\).*HTTP 500.*index on fire"):
             client.search(["q"], 3)
         result = SearchTool(client).run("who wrote hamlet")
     finally:
