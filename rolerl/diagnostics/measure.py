@@ -134,6 +134,8 @@ def measure_interaction(
     from rolerl.eval.harness import run_eval
 
     out = Path(out)
+    # made here, not only by an evaluation: when every variant is an eval directory, none runs
+    out.mkdir(parents=True, exist_ok=True)
     sources = {"joint": joint, "reas": reas, "tool": tool, "base": base}
     if base is None:
         sources["base"] = load_config(Path(joint) / "config.yaml").model.spec

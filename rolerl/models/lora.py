@@ -191,7 +191,8 @@ class RouteState:
                 if isinstance(route, torch.Tensor)
                 else torch.tensor([route], device=like.device)  # one route for every token
             )
-            repeats = torch.tensor(ranks, device=like.device)  # on the device: CUDA's index_select needs it there
+            # the counts on the activations' device: CUDA's index_select refuses CPU ones
+            repeats = torch.tensor(ranks, device=like.device)
             owner = torch.repeat_interleave(torch.tensor(layout, device=like.device), repeats)
             scale = torch.repeat_interleave(torch.tensor(scalings, device=like.device), repeats)
             hit = route[:, None] == owner[None, :]  # (N, R)

@@ -105,6 +105,59 @@ def test_six_variants_give_the_full_solve_consistent_with_the_closed_form():
         assert r.coefficients["l1"] == r.z["base"]  # base's row of X is e1
 
 
+def _logit(k: int, n: int) -> float:
+    """The smoothed logit written out: logit((k + 1/2) / (n + 1)) = log((k + 1/2) / (n - k + 1/2))."""
+    return math.log((k + 0.5) / (n - k + 0.5))
+
+
+def _by_hand(z: dict[str, float]) -> dict[str, float]:
+    """Each coefficient as a difference of two variants' logits, read off the paper's table (PAPERS 2.3):
+    base = l1, hybrid_tool = l1 + l2, hybrid_reas = l1 + l3, tool = l1 + l2 + l12,
+    reas = l1 + l3 + l13, joint = l1 + l2 + l3 + l12 + l13 + l23."""
+    return {
+        "l1": z["base"],
+        "l2": z["hybrid_tool"] - z["base"],
+        "l3": z["hybrid_reas"] - z["base"],
+        "l12": z["tool"] - z["hybrid_tool"],
+        "l13": z["reas"] - z["hybrid_reas"],
+        "l23": z["joint"] - z["tool"] - z["reas"] + z["base"],
+    }
+
+
+def test_every_coefficient_of_the_full_solve_equals_its_hand_difference():
+    """l1, l2, l3, l12, l13 and l23 of `attribute` (the 6x6 solve) against the differences of logits above,
+    the logits computed here from the counts, not by `smoothed_logit`."""
+    table = {**FOUR, "hybrid_tool": [3, 0, 0, 7, 1], "hybrid_reas": [2, 9, 0, 0, 4]}
+    res = attribute(_counts(table))
+    assert [r.id for r in res.rows] == ["q0", "q1", "q3", "q4"]
+    for r in res.rows:
+        q = int(r.id[1:])
+        z = {v: _logit(ks[q], 10) for v, ks in table.items()}
+        scale = torch.tensor(list(z.values()), dtype=torch.float64)
+        assert r.z == pytest.approx(z, abs=ulp_tol(scale, 4))
+        want = _by_hand(z)
+        assert list(r.coefficients) == list(want)
+        for name, value in want.items():  # an LU solve of a 6x6 integer system: a few roundings
+            assert abs(r.coefficients[name] - value) <= ulp_tol(scale, 32), (r.id, name)
+    # e.g. q3 by hand: l2 = z(7) - z(5) = log(7.5/3.5), l12 = z(5) - z(7) = -l2, l3 = z(0) - z(5) = -log 21
+    q3 = res.rows[2].coefficients
+    assert q3["l2"] == pytest.approx(math.log(7.5 / 3.5), abs=1e-12)
+    assert q3["l12"] == pytest.approx(-math.log(7.5 / 3.5), abs=1e-12)
+    assert q3["l3"] == pytest.approx(-math.log(21), abs=1e-12)
+
+
+def test_the_solve_recovers_known_coefficients_of_many_questions():
+    """z built from known λ by the table's sums (written out per variant, no design matrix): the solve
+    returns λ, every coefficient in its own column."""
+    lam = torch.randn(64, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+    l1, l2, l3, l12, l13, l23 = lam.unbind(1)
+    z = torch.stack(
+        [l1, l1 + l3 + l13, l1 + l2 + l12, l1 + l2 + l3 + l12 + l13 + l23, l1 + l2, l1 + l3], dim=1
+    )  # (Q, 6) in VARIANTS order: base, reas, tool, joint, hybrid_tool, hybrid_reas
+    assert list(VARIANTS) == ["base", "reas", "tool", "joint", "hybrid_tool", "hybrid_reas"]
+    torch.testing.assert_close(solve_coefficients(z), lam, rtol=0, atol=ulp_tol(z, 32))
+
+
 def test_all_zero_questions_are_dropped_and_all_zero_input_is_an_error():
     res = attribute(_counts({"base": [0, 1], "reas": [0, 0], "tool": [0, 0], "joint": [0, 0]}))
     assert [r.id for r in res.rows] == ["q1"] and res.dropped == 1

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from rolerl.models.lora import adapter_parameters
+from rolerl.roles import ANSWER, KIND_INDEX, REASONING, TOOL_CALL
 from rolerl.train.update import Aligned, LossSettings, accumulate_gradients
+from tests.train.reference import adapter_params, assert_grads_close, grad_of, reference_terms
 from tests.train.test_update import dart_model, grads, hand_batch, settings
 
 
@@ -60,6 +62,53 @@ def test_strict_parts_add_up_to_the_loss_of_route(tokenizer):
     for name in ("reason", "tool"):
         diff = max(float((a - b).abs().max()) for a, b in zip(of(strict, name), of(route, name), strict=True))
         assert diff > 1e-6 and all(bool(v.abs().sum() > 0) for v in of(strict, name))
+
+
+def test_strict_gradient_of_each_adapter_is_the_backward_of_its_own_kinds_tokens(tokenizer):
+    """Loss on both kinds (PG and an entropy bonus): under strict, each adapter's gradient is
+    `torch.autograd.grad` of the hand objective over only the positions it computes, by DART's table on the
+    kind of the token a position predicts (reasoning and answer -> reason, tool call -> tool), with the
+    whole batch's normaliser; under route, the gradient of the whole objective, which is that plus the
+    other kind's tokens' gradient reaching it through attention. The objective is written from a plain
+    forward of each row (`tests.train.reference`) at PPO ratio 1 (`Aligned(None)`)."""
+    model, _, route_of = dart_model(tokenizer, dtype=torch.float64)
+    batch = hand_batch(model, route_of)
+    target = batch.kind_ids[:, 1:]  # (B, T-1): the kind each position predicts
+    m = batch.loss_mask[:, :-1].double()
+    kinds = {
+        "reason": (target == KIND_INDEX[REASONING]) | (target == KIND_INDEX[ANSWER]),
+        "tool": target == KIND_INDEX[TOOL_CALL],
+    }
+    assert all(bool((m * k).sum() > 0) for k in kinds.values()), "loss on both kinds"
+    assert torch.equal(m, m * (kinds["reason"] | kinds["tool"])), "every loss token is one of them"
+    coef = 0.05
+    s = settings(entropy_coef=coef)
+
+    def update(isolation: str) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        ps = LossSettings(s.algorithm, s.temperature, s.horizon, s.chunk_size, isolation=isolation,
+                          adapter_params=adapter_parameters(model))  # fmt: skip
+        accumulate_gradients(model, batch, Aligned(None), ps, micro_batch_size=2)
+        return grads(model)
+
+    strict, route = update("strict"), update("route")
+    logp, entropy = reference_terms(model, batch, s.temperature)
+    per_token = batch.weights.double()[:, None] * (-batch.advantages[:, :-1].double() * logp - coef * entropy)
+
+    def objective(where: torch.Tensor) -> torch.Tensor:  # the token-mean with the whole batch's N
+        return (m * where * per_token).sum() / m.sum()
+
+    params = adapter_params(model)
+    mine = {a: {n: p for n, p in params.items() if n.endswith(f".{a}")} for a in kinds}
+    own = {a: grad_of(objective(kinds[a]), mine[a]) for a in kinds}
+    assert_grads_close(strict, own["reason"] | own["tool"])
+    cross = {a: grad_of(objective(kinds[b]), mine[a]) for a, b in (("reason", "tool"), ("tool", "reason"))}
+    for a in kinds:
+        assert_grads_close(route, {n: own[a][n] + cross[a][n] for n in mine[a]})
+        # the other kind's share is not rounding: strict and route really differ on each adapter
+        assert max(float(g.abs().max()) for g in cross[a].values()) > 1e-3 * max(
+            float(g.abs().max()) for g in own[a].values()
+        )
 
 
 def test_an_adapter_that_computed_no_position_is_not_stepped(tokenizer):
