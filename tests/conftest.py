@@ -60,3 +60,16 @@ def shared_data():
             f"benchmark data not found at {root}: check out ../shared beside the repo or set ROLERL_SHARED_DATA"
         )
     return root
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `vllm` need real vLLM (`make test-vllm` runs them in .venv-vllm); elsewhere they skip,
+    found out without importing vLLM (a slow import), so `make test` stays fast and needs no vLLM."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="needs real vLLM: run `make test-vllm`")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)

@@ -16,6 +16,7 @@ from rolerl.eval.metrics import binomial_stderr, pass_at_k
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
+from rolerl.rollout.scheduler import RolloutBackend
 from rolerl.tasks.base import Example
 from rolerl.types import Episode
 from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
@@ -84,15 +85,17 @@ def evaluate(
     roles: Mapping[str, RoleCalls] | None = None,
     on_episode: Callable[[int, int], None] | None = None,
     ids: Sequence[int] | None = None,
+    backend: RolloutBackend | None = None,
 ) -> EvalResult:
     """`samples` episodes of `workflow` per example through `engine` (or one engine per model, with each
     role's model and call settings in `roles`); `on_episode(done, total)` reports progress. Sample j of
     example i is seeded by `(seed, ids[i], j)` (`ids` default `range`), so a chunk of a larger evaluation
-    samples what the whole would. The engines are not closed (their tools stay warm for the next one)."""
+    samples what the whole would. The engines are not closed (their tools stay warm for the next one).
+    `backend`: generate through it instead of a `LockstepBackend` over the engines (training's vLLM)."""
     return evaluate_groups(
         engine, route_of, {"": (workflow, examples, ids)}, samples=samples, greedy=greedy,
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, tool=tool,
-        max_tool_calls=max_tool_calls, seed=seed, roles=roles, on_episode=on_episode,
+        max_tool_calls=max_tool_calls, seed=seed, roles=roles, on_episode=on_episode, backend=backend,
     )[""]  # fmt: skip
 
 
@@ -111,6 +114,7 @@ def evaluate_groups(
     seed: int = 0,
     roles: Mapping[str, RoleCalls] | None = None,
     on_episode: Callable[[int, int], None] | None = None,
+    backend: RolloutBackend | None = None,
 ) -> dict[str, EvalResult]:
     """`evaluate` several `(workflow, examples, ids)` groups (e.g. two tasks) in one batch: their episodes
     share the engine's forwards (one evaluation of 8 + 24 problems costs about what the 24 alone cost: a
@@ -122,7 +126,7 @@ def evaluate_groups(
     sampling = SamplingParams(
         temperature=temperature, top_p=top_p, greedy=greedy, max_new_tokens=max_new_tokens
     )
-    backend = LockstepBackend(engines)
+    backend = backend if backend is not None else LockstepBackend(engines)
     tokenizer = next(iter(engines.values())).tokenizer
     total, done = sum(len(examples) for _, examples, _ in groups.values()) * samples, 0
     ended = dict.fromkeys(groups, 0.0)

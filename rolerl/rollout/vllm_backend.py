@@ -8,7 +8,7 @@ vLLM *segments*, each a request whose prompt is every id so far:
   call close, the tool runs, its output is spliced as forced ids, and the next segment continues from them;
 - adapters are per request (`LoRARequest`). A token-routed topology (`dart`: reasoning and tool calls on
   different adapters) is generated segment by segment, switching adapter where the recorder's next route
-  changes (stop strings at every tag make vLLM stop near there; tokens past the boundary, e.g. when a tag
+  changes (stop strings at those tags make vLLM stop near there; tokens past the boundary, e.g. when a tag
   is split across tokens or shares a token with text, are discarded). Every position of a segment,
   including the re-read prefix, is computed with that segment's adapter, so the rollout's log-probs are
   not the true routing's: the trainer recomputes them (`algorithm.old_logp: recompute`, required) and
@@ -24,9 +24,9 @@ lists the new version, and that its log-probs on a probe prompt changed when the
 on that probe did (`rollout/sync_check`; a served adapter that stayed the same after a real update is an
 error, the silent failure several published trainers shipped). Only LoRA adapters can be synced.
 
-The real vLLM path is untested on our machines (no GPU wheel can be installed here): the tests drive
-this class with a fake engine object that behaves like vLLM's `LLM` where it matters (tests/rollout/
-fake_vllm.py).
+Tested against real vLLM (its CPU build, `make test-vllm`, tests/rollout/real_vllm/): the offline engine
+and `vllm serve`, log-prob parity with the trainer per kind, GRPO runs, and the checks of
+`rolerl.rollout.vllm_checks`; the fast suite drives this class with a fake engine (tests/rollout/fake_vllm.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import secrets
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -48,11 +49,24 @@ import torch
 
 from rolerl.roles import token_bytes
 from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
+from rolerl.rollout.vllm_checks import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    check_vllm_config,
+    check_vllm_version,
+    engine_max_len,
+    vllm_dtype,
+)
 from rolerl.tools.base import Tool
 from rolerl.types import Turn
 
 log = logging.getLogger(__name__)
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42. def f(x): return x * 2"
+PROBE_TOKENS = 8  # sampled at the rollout temperature by every sync's probe
+# Sampling fields a server fills from the model's generation_config.json when a request leaves them out
+# (vLLM applies them before its processed log-probs): always sent, neutral, so the rollout samples from
+# log_softmax(logits / T) alone, as the trainer assumes.
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
 
 
 def vllm_api() -> SimpleNamespace:
@@ -77,10 +91,12 @@ class AdapterVersion:
     lora_id: int
     path: Path
     in_flight: int = 0  # segments using it now
+    # the backend instance's: a new backend never reuses an old one's names (on a long-lived server)
+    tag: str = ""
 
     @property
     def lora_name(self) -> str:
-        return f"{self.adapter}@v{self.version}"
+        return f"{self.adapter}@v{self.version}" + (f".{self.tag}" if self.tag else "")
 
 
 class VLLMBackend:
@@ -89,7 +105,10 @@ class VLLMBackend:
     `adapters`: the model's adapter names in route order (route r = `adapters[r]`, -1 = the base model).
     `logprobs`: `processed` (the rollout's log-probs are the trainer's, top-p/top-k refused) or `recompute`
     (the trainer recomputes them; any sampling). `api`: vLLM's request types (`vllm_api()`; tests pass a
-    fake's). Call `sync(policy)` once before the first rollout and after every optimizer step."""
+    fake's). `temperature`: the rollout's, at which each sync's probe checks that the served log-probs are
+    processed ones. `tag`: part of every LoRA name and directory, so that a backend started again on a
+    running server (a resumed run) never meets its predecessor's names or prefix-cache entries (default:
+    random; "" = none). Call `sync(policy)` once before the first rollout and after every optimizer step."""
 
     def __init__(
         self,
@@ -106,12 +125,23 @@ class VLLMBackend:
         model_name: str = "main",
         api: SimpleNamespace | None = None,
         tool_workers: int = 8,
+        temperature: float = 1.0,
+        tag: str | None = None,
     ) -> None:
         if logprobs not in ("processed", "recompute"):
             raise ValueError(f"logprobs={logprobs!r}; allowed: 'processed', 'recompute'")
+        limit = engine_max_len(llm)
+        if limit is not None and max_len > limit:
+            raise ValueError(
+                f"rollout.max_len={max_len} but the vLLM engine accepts at most {limit} positions (its "
+                f"max_model_len): set rollout.max_len <= {limit}, or start vLLM with a larger --max-model-len"
+            )
         self.llm, self.tokenizer, self.api = llm, tokenizer, api or vllm_api()
         self.adapters = list(adapters)
-        self.work_dir = Path(work_dir)
+        # absolute: a server resolves a relative adapter path against its own working directory
+        self.work_dir = Path(work_dir).resolve()
+        self.temperature = temperature
+        self.tag = secrets.token_hex(3) if tag is None else tag
         self.tools = dict(tools or {})
         self.max_len, self.logprobs, self.model_name = max_len, logprobs, model_name
         self.table = token_bytes(tokenizer, vocab_size)
@@ -119,7 +149,8 @@ class VLLMBackend:
         self.eos_ids = frozenset(eos)
         self.current: dict[str, AdapterVersion] = {}
         self.loaded: list[AdapterVersion] = []
-        self._next_lora_id = 1
+        # after any id the engine already holds (another backend's): vLLM skips loading an id it has
+        self._next_lora_id = max(self.llm.llm_engine.list_loras(), default=0) + 1
         self._synced: dict[str, dict[str, torch.Tensor]] = {}  # adapter -> the weights last synced
         self._probe_served: dict[str, list[float]] = {}
         self._probe_trainer: dict[str, torch.Tensor] = {}
@@ -183,8 +214,10 @@ class VLLMBackend:
             if old is not None and all(torch.equal(weights[k], old[k]) for k in weights):
                 continue  # unchanged (a frozen adapter, or one no token reached): keep serving it
             previous = self.current.get(name)
-            version = AdapterVersion(name, previous.version + 1 if previous else 1, self._next_lora_id,
-                                     self.work_dir / f"{name}-v{(previous.version + 1) if previous else 1}")  # fmt: skip
+            number = previous.version + 1 if previous else 1
+            suffix = f"-{self.tag}" if self.tag else ""
+            version = AdapterVersion(name, number, self._next_lora_id, self.work_dir / f"{name}-v{number}{suffix}",
+                                     tag=self.tag)  # fmt: skip
             self._next_lora_id += 1
             save_adapter(model, name, version.path)
             self.llm.llm_engine.add_lora(self._lora_request(version))
@@ -220,6 +253,12 @@ class VLLMBackend:
                 "over the kept tokens and the trainer does not. Use top_p 1 and top_k 0, or "
                 "rollout.vllm.logprobs=recompute with algorithm.old_logp=recompute"
             )
+        greedy = sp.greedy or sp.temperature == 0
+        if not greedy and not MIN_TEMPERATURE <= sp.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature={sp.temperature} for a {request.role!r} call: vLLM samples at T in "
+                f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] only (it raises smaller ones, refuses larger)"
+            )
         if request.tool is not None and request.tool not in self.tools:
             raise ValueError(f"request calls tool {request.tool!r}; backend tools: {sorted(self.tools)}")
         if request.route_of and max(request.route_of.values()) >= len(self.adapters):
@@ -230,20 +269,20 @@ class VLLMBackend:
     def sampling_params(self, rec: Recorder) -> Any:
         """The vLLM `SamplingParams` of the next segment of `rec`'s call."""
         req, sp = rec.req, rec.req.sampling
-        tags = req.tags
+        # Stop strings only save tokens: the recorder ends the call at the request's own stops, opens tool
+        # calls and cuts a segment where the route changes whatever vLLM does. So, first what ends the call
+        # or runs a tool, then only the tags where this request's adapter changes (vLLM's server takes 4).
         stops = list(sp.stop)
         if req.tool is not None:
-            stops.append(tags.tool_close)
-        if _routes_per_token(req):  # stop near every place the adapter may change
-            stops += [tags.tool_open, tags.tool_close, tags.output_close]
-            stops += [t for t in (tags.answer_open, tags.answer_close) if t is not None]
+            stops.append(req.tags.tool_close)
+        stops += _switch_tags(req)
         remaining = min(sp.max_new_tokens - rec.sampled, rec.max_length - len(rec.ids))
         greedy = sp.greedy or sp.temperature == 0
         return self.api.SamplingParams(
             n=1, temperature=0.0 if greedy else sp.temperature, top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else -1,
             max_tokens=max(remaining, 1), seed=_segment_seed(sp.seed, len(rec.ids)), stop=list(dict.fromkeys(stops)),
             include_stop_str_in_output=True, stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-            logprobs=0, skip_special_tokens=False, spaces_between_special_tokens=False,
+            logprobs=0, skip_special_tokens=False, spaces_between_special_tokens=False, **NEUTRAL,
         )  # fmt: skip
 
     def _lora_request(self, version: AdapterVersion) -> Any:
@@ -297,6 +336,25 @@ class VLLMBackend:
 
     # ---- adapter versions -----------------------------------------------------------------------------
 
+    def _check_processed(self, version: AdapterVersion, logits: torch.Tensor, sampled: list[int],
+                         completion: Any) -> dict[str, float]:  # fmt: skip
+        """The probe's sampled tokens: their served log-probs must be nearer the trainer's processed ones
+        (`logits / T`) than its raw ones, else the engine serves raw log-probs."""
+        served = torch.tensor([float(completion.logprobs[i][t].logprob) for i, t in enumerate(sampled)])
+        target = torch.tensor(sampled)[:, None]
+        processed = torch.log_softmax(logits / self.temperature, -1).gather(-1, target)[:, 0]
+        raw = torch.log_softmax(logits, -1).gather(-1, target)[:, 0]
+        to_processed, to_raw = (served - processed).abs(), (served - raw).abs()
+        metrics = {f"rollout/probe_sampled_vs_trainer/{version.adapter}": float(to_processed.max())}
+        if self.temperature != 1.0 and float(to_raw.mean()) < float(to_processed.mean()):
+            raise RuntimeError(
+                f"vLLM's log-probs for adapter {version.lora_name!r} at T={self.temperature} are raw ones "
+                f"(mean |served - raw| {float(to_raw.mean()):.3g} < |served - processed| "
+                f"{float(to_processed.mean()):.3g}), not log_softmax(logits / T) as the trainer computes: start "
+                "the server with --logprobs-mode processed_logprobs"
+            )
+        return metrics
+
     def _unload_idle(self) -> None:
         keep = []
         for version in self.loaded:
@@ -309,20 +367,33 @@ class VLLMBackend:
 
     def _probe(self, model, version: AdapterVersion) -> dict[str, float]:
         """Served vs trainer log-probs on the probe prompt under `version`'s adapter: when the trainer's
-        changed since the last sync (by more than bf16 rounding), the served ones must have changed too."""
+        changed since the last sync (by more than bf16 rounding), the served ones must have changed too.
+        And the tokens the probe samples at the rollout temperature must carry processed log-probs
+        (`log_softmax(logits / T)`), not raw ones: vLLM computes prompt log-probs before any sampling
+        processor, so only sampled tokens tell a server started without `--logprobs-mode
+        processed_logprobs` apart (at T = 1 the two are equal and nothing is wrong)."""
         ids = [int(i) for i in self.tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]]
         route = self.adapters.index(version.adapter)
-        trainer = _trainer_logprobs(model, ids, route)
-        params = self.api.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, logprobs=0)
+        params = self.api.SamplingParams(
+            max_tokens=PROBE_TOKENS, temperature=self.temperature, prompt_logprobs=0, logprobs=0, seed=0,
+            ignore_eos=True, **NEUTRAL,
+        )  # fmt: skip
         (out,) = self.llm.generate([self.api.TokensPrompt(prompt_token_ids=ids)], [params],
                                    lora_request=[self._lora_request(version)], use_tqdm=False)  # fmt: skip
+        completion = out.outputs[0]
+        sampled = [int(t) for t in completion.token_ids]
+        logits = _trainer_logits(model, ids + sampled, route)  # (len, V)
+        targets = torch.tensor(ids[1:] + sampled)
+        trainer = torch.log_softmax(logits[:-1], -1).gather(-1, targets[:, None])[:, 0]
         served = [float(step[t].logprob) for step, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
         name = version.adapter
         out_metrics = {
             f"rollout/probe_vs_trainer/{name}": max(
-                abs(a - b) for a, b in zip(served, trainer.tolist(), strict=True)
+                abs(a - b) for a, b in zip(served, trainer[: len(ids) - 1].tolist(), strict=True)
             )
         }
+        out_metrics |= self._check_processed(version, logits[len(ids) - 1 : -1], sampled, completion)
+        trainer = trainer[: len(ids) - 1]
         before_t, before_s = self._probe_trainer.get(name), self._probe_served.get(name)
         self._probe_trainer[name], self._probe_served[name] = trainer, served
         if before_t is None:
@@ -339,15 +410,13 @@ class VLLMBackend:
         return out_metrics
 
 
-def _trainer_logprobs(model, ids: list[int], route: int) -> torch.Tensor:
-    """The trainer's log-probs of `ids[1:]` with every position on adapter `route`, `(len(ids)-1,)`."""
+def _trainer_logits(model, ids: list[int], route: int) -> torch.Tensor:
+    """The trainer's fp32 logits at every position of `ids`, all on adapter `route`, `(len(ids), V)`."""
     from rolerl.models.lora import routes as routes_ctx
 
     device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
     with torch.no_grad(), routes_ctx(model, route):
-        logits = model(input_ids=x).logits[0].float()
-    return torch.log_softmax(logits[:-1], -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
+        return model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
 
 
 def _versions_in_flight(model) -> int:
@@ -367,36 +436,22 @@ def _check_lora_only(model) -> None:
         )
 
 
-def _routes_per_token(req: GenerationRequest) -> bool:
-    """Whether the request's kinds go to more than one adapter (or to an adapter and the base)."""
-    return req.route_of is not None and len(set(req.route_of.values())) > 1
+def _switch_tags(req: GenerationRequest) -> list[str]:
+    """The tags at which the request's route changes (the kinds on either side go to different adapters):
+    under `dart` only the tool-call tags; none under `shared`."""
+    if req.route_of is None:
+        return []
+    t, route = req.tags, lambda kind: req.route_of.get(kind, -1)
+    sides = [(t.tool_open, "reasoning", "tool_call"), (t.tool_close, "tool_call", "tool_output"),
+             (t.output_close, "tool_output", "reasoning"), (t.answer_open, "reasoning", "answer"),
+             (t.answer_close, "answer", "reasoning")]  # fmt: skip
+    return [tag for tag, before, after in sides if tag is not None and route(before) != route(after)]
 
 
 def _segment_seed(seed: int, position: int) -> int:
     """A 63-bit seed per (request seed, segment start): segments never replay each other's random draws."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def check_vllm_config(cfg, policy) -> None:
-    """The settings the vLLM backend cannot honour, as `ConfigError`s naming the fields."""
-    from rolerl.config import ConfigError
-
-    mode = cfg.rollout.vllm.get("logprobs", "processed")
-    top_ps = [cfg.rollout.top_p, *(c.top_p for c in cfg.roles.values() if c.top_p is not None)]
-    if min(top_ps) < 1.0 and not (mode == "recompute" and cfg.algorithm.old_logp == "recompute"):
-        raise ConfigError(
-            f"rollout.top_p={min(top_ps)} with rollout.backend=vllm: vLLM's log-probs are renormalised over the "
-            "kept tokens and the trainer's are not; set rollout.vllm.logprobs=recompute and "
-            "algorithm.old_logp=recompute (or top_p 1)"
-        )
-    routed = [role for role, table in policy.route_of.items() if len(set(table.values())) > 1]
-    if routed and cfg.algorithm.old_logp != "recompute":
-        raise ConfigError(
-            f"roles {routed} route tokens to several adapters (adapters.preset={cfg.adapters.preset!r}): vLLM "
-            "applies one adapter per segment, so the rollout's log-probs are not the true routing's; set "
-            "algorithm.old_logp=recompute (and algorithm.tis_cap, e.g. 2.0, to correct the mismatch)"
-        )
 
 
 def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm_factory=None):
@@ -418,6 +473,8 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
     api = None
     if url:
         from rolerl.rollout.vllm_http import API as api
+    from rolerl.config import ConfigError
+
     backends = {}
     for name, member in policy.members.items():
         specs = adapter_specs(member.model)
@@ -425,12 +482,20 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
         llm = factory(spec, cfg, max((s.rank for s in specs.values()), default=8), member.model)
         generation = getattr(member.model, "generation_config", None)
         eos = getattr(generation, "eos_token_id", None)
+        limit = engine_max_len(llm)
+        if cfg.rollout.max_len is not None and limit is not None and cfg.rollout.max_len > limit:
+            raise ConfigError(
+                f"rollout.max_len={cfg.rollout.max_len} but the vLLM {'server' if url else 'engine'} of model "
+                f"{name!r} accepts at most {limit} positions (its max_model_len): set rollout.max_len <= {limit}"
+                + (", or start the server with a larger --max-model-len" if url else "")
+            )  # fmt: skip
         backends[name] = VLLMBackend(
             llm, member.tokenizer, adapters=list(specs), work_dir=Path(cfg.run.dir) / ".vllm_adapters" / name,
-            tools=tools.get(name, {}), max_len=cfg.rollout.max_len or 4096,
+            tools=tools.get(name, {}), max_len=cfg.rollout.max_len or min(limit or 4096, 4096),
             logprobs=str(cfg.rollout.vllm.get("logprobs", "processed")),
             vocab_size=getattr(member.model.config, "vocab_size", None),
             eos_ids=[eos] if isinstance(eos, int) else list(eos or []), model_name=name, api=api,
+            temperature=cfg.rollout.temperature,
         )  # fmt: skip
     return next(iter(backends.values())) if len(backends) == 1 else ModelRouter(backends)
 
@@ -452,14 +517,19 @@ def _offline_llm(spec: str, cfg, max_rank: int, model=None):
         )
     directory = _resolve_to_directory(spec)  # the default GGUF model: its converted safetensors directory
     try:
+        import vllm
         from vllm import LLM
     except ImportError as e:
         raise ImportError(
             "rollout.backend=vllm needs vLLM: pip install 'rolerl[vllm]' (docs/ROLLOUT.md)"
         ) from e
+    check_vllm_version(vllm.__version__, "this process")
     options = {k: v for k, v in cfg.rollout.vllm.items() if k not in ("logprobs", "url", "served_model")}
+    device = next(model.parameters()).device.type if model is not None else "cuda"
+    dtype = vllm_dtype(str(options.pop("dtype", "auto")), next(model.parameters()).dtype if model is not None
+                       else getattr(torch, cfg.model.dtype, torch.float32), device)  # fmt: skip
     return LLM(
-        model=str(directory), dtype=cfg.model.dtype, seed=cfg.run.seed, enable_lora=True,
+        model=str(directory), dtype=dtype, seed=cfg.run.seed, enable_lora=True,
         max_lora_rank=int(options.pop("max_lora_rank", max(8, 2 ** math.ceil(math.log2(max_rank))))),
         max_loras=int(options.pop("max_loras", _versions_in_flight(model))), gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.5)),
         max_model_len=cfg.rollout.max_len, logprobs_mode="processed_logprobs", **options,

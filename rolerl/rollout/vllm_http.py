@@ -7,13 +7,20 @@ backend's logic (segments, the recorder, adapter versions, the probe check) is t
   `return_tokens_as_token_ids` (token ids out: the text is never re-tokenised), `logprobs: 0` (the sampled
   token's), the segment's stop strings (kept in the output) and seed; the adapter is the request's
   `model` (its LoRA name), the base model's name otherwise;
+- every sampling field the server would otherwise fill from the model's `generation_config.json`
+  (repetition, presence and frequency penalties, min-p) is sent explicitly, neutral;
 - `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (start the server with
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, `--enable-lora`, and `--logprobs-mode processed_logprobs`); the
-  adapter directories must be readable by the server at the path the trainer wrote them to (shared storage);
-- `GET /v1/models` lists what is served (the base model and every loaded LoRA).
+  adapter directories must be readable by the server at the path the trainer wrote them to: paths are sent
+  absolute, so a server on the same machine or on a shared filesystem mounted at the same path finds them
+  (a remote server without one would need another transport, which is not built). Unloading drops the
+  name; vLLM keeps the weights in its CPU LoRA cache until a newer adapter evicts them;
+- `GET /v1/models` lists what is served (the base model and every loaded LoRA) and the server's
+  `max_model_len`; `GET /version` its vLLM version (checked against `vllm_checks.MIN_VLLM`).
 
 The trainer side needs no vLLM install in this mode: requests are built from the plain types below.
-Tested against a fake server (tests/rollout/test_vllm_http.py); never against a real vLLM server here.
+Tested against real `vllm serve` (tests/rollout/real_vllm/, `make test-vllm`) and a fake server
+(tests/rollout/test_vllm_http.py).
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from rolerl.rollout.vllm_checks import check_vllm_version
 
 
 @dataclass
@@ -45,6 +55,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -59,6 +73,7 @@ class LoRARequest:
     lora_path: str
 
 
+MAX_STOPS = 4  # stop strings per completion request that vLLM's OpenAI-compatible server accepts
 API = SimpleNamespace(SamplingParams=SamplingParams, TokensPrompt=TokensPrompt, LoRARequest=LoRARequest)
 
 
@@ -78,7 +93,13 @@ class ServerLLM:
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="rolerl-vllm-http")
         self.names: dict[int, str] = {}  # LoRA id -> name (the server knows adapters by name)
-        self.model = model or self._models()[0]
+        self.version = str(self._request("GET", "/version", None).get("version", "0"))
+        check_vllm_version(self.version, f"the vLLM server at {self.url}")
+        models = self._request("GET", "/v1/models", None)["data"]
+        self.model = model or models[0]["id"]
+        base = next((m for m in models if m["id"] == self.model), models[0])
+        # the longest prompt + completion it accepts (its --max-model-len); a longer request is answered 400
+        self.max_model_len: int | None = base.get("max_model_len")
         self.llm_engine = self
 
     # ---- the offline LLM's surface ----------------------------------------------------------------------
@@ -91,11 +112,14 @@ class ServerLLM:
         return [job.result() for job in jobs]
 
     def add_lora(self, req) -> bool:
-        self._post("/v1/load_lora_adapter", {"lora_name": req.lora_name, "lora_path": req.lora_path})
+        # absolute: the server resolves a relative path against its own working directory (then the hub)
+        path = str(Path(req.lora_path).resolve())
+        self._post("/v1/load_lora_adapter", {"lora_name": req.lora_name, "lora_path": path})
         self.names[req.lora_int_id] = req.lora_name
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
+        """Drop the name; the server frees the weights only when its LoRA cache evicts them."""
         self._post("/v1/unload_lora_adapter", {"lora_name": self.names.pop(lora_id)})
         return True
 
@@ -107,6 +131,9 @@ class ServerLLM:
 
     def _complete(self, prompt: list[int], sp, lora) -> SimpleNamespace:
         body = {k: v for k, v in _fields(sp).items() if v is not None and k != "n"}
+        # the OpenAI API (and vLLM's server) takes at most 4 stop strings; they only save tokens here (the
+        # backend's recorder enforces every stop and tag itself), so the first 4, the most useful, go
+        body["stop"] = list(body.get("stop", []))[:MAX_STOPS]
         body |= {"model": lora.lora_name if lora is not None else self.model, "prompt": list(prompt),
                  "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
         choice = self._post("/v1/completions", body)["choices"][0]

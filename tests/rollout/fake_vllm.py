@@ -19,6 +19,7 @@ adapter's weights, so a new adapter version changes them and a stale one does no
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -105,7 +106,14 @@ class FakeLLM:
         if sp.prompt_logprobs is not None:  # the probe: a function of the served adapter's weights
             shift = self.llm_engine.loras[lora.lora_int_id][1] if lora is not None else 0.0
             plp = [None] + [{t: Logprob(-1.0 - 1e-3 * shift - 1e-4 * i)} for i, t in enumerate(prompt[1:])]
-            return RequestOutput(prompt, [CompletionOutput([0], [{0: Logprob(-1.0)}], "length", None)], plp)
+            try:  # the probe's sampled tokens: a model that generates (ModelLLM) samples them
+                pairs = list(itertools.islice(self._continue(prompt, sp, lora), sp.max_tokens))
+            except AssertionError:  # a replay has no stream for the probe prompt
+                pairs = [(0, -1.0)]
+            completion = CompletionOutput(
+                [t for t, _ in pairs], [{t: Logprob(lp)} for t, lp in pairs], "length", None
+            )
+            return RequestOutput(prompt, [completion], plp)
         out, lps, finish, reason = [], [], "length", None
         for token, logp in self._continue(prompt, sp, lora):
             out.append(token)

@@ -6,6 +6,7 @@ errors surface with the server's answer. A real vLLM server is never contacted h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +26,10 @@ from tests.rollout.test_vllm_backend import ADAPTERS, reference, run_all, same_t
 class FakeServer(BaseHTTPRequestHandler):
     llm: fake_vllm.FakeLLM  # set per test
     ids: dict[str, int] = {}
+    paths: dict[str, str] = {}
+    version = "0.32.0"
+    max_model_len: int | None = None  # what /v1/models reports (None: a server that does not say)
+    bodies: list | None = None  # (path, body) of every POST, when a test wants them
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -37,17 +42,25 @@ class FakeServer(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if self.path == "/version":
+            return self.reply(200, {"version": self.version})
         if self.path != "/v1/models":
             return self.reply(404, {"error": "no such route"})
         names = ["base", *(name for name, _ in self.llm.llm_engine.loras.values())]
-        self.reply(200, {"data": [{"id": n} for n in names]})
+        cards = [{"id": n} for n in names]
+        if self.max_model_len is not None:
+            cards[0]["max_model_len"] = self.max_model_len
+        self.reply(200, {"data": cards})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.bodies is not None:
+            self.bodies.append((self.path, body))
         engine = self.llm.llm_engine
         if self.path == "/v1/load_lora_adapter":
             lora_id = len(self.ids) + 100  # the server's own ids, unrelated to the client's
             self.ids[body["lora_name"]] = lora_id
+            self.paths[body["lora_name"]] = body["lora_path"]
             engine.add_lora(fake_vllm.LoRARequest(body["lora_name"], lora_id, body["lora_path"]))
             return self.reply(200, "Success: LoRA adapter loaded")
         if self.path == "/v1/unload_lora_adapter":
@@ -59,11 +72,13 @@ class FakeServer(BaseHTTPRequestHandler):
             return self.reply(200, "Success: LoRA adapter unloaded")
         if self.path != "/v1/completions":
             return self.reply(404, {"error": "no such route"})
+        if len(body.get("stop", [])) > 4:  # vLLM's server validates the OpenAI API's limit
+            return self.reply(400, {"error": "body.stop: List should have at most 4 items after validation"})
         if not body.get("return_token_ids") or not body.get("return_tokens_as_token_ids"):
             return self.reply(400, {"error": "the client must ask for token ids"})
         lora = None
         if body["model"] != "base":
-            lora = fake_vllm.LoRARequest(body["model"], self.ids[body["model"]], "")
+            lora = fake_vllm.LoRARequest(body["model"], self.ids[body["model"]], self.paths[body["model"]])
         fields = {k: v for k, v in body.items() if k in fake_vllm.SamplingParams.__dataclass_fields__}
         out = self.llm._one(body["prompt"], fake_vllm.SamplingParams(**fields), lora)
         c = out.outputs[0]
@@ -78,14 +93,24 @@ class FakeServer(BaseHTTPRequestHandler):
         self.reply(200, {"choices": [choice]})
 
 
-@pytest.fixture
-def server():
-    FakeServer.ids = {}
+@contextlib.contextmanager
+def serve(bodies: list | None = None, max_model_len: int | None = 256):
+    """The fake server on a free loopback port; yields its URL."""
+    FakeServer.ids, FakeServer.paths, FakeServer.version, FakeServer.bodies = {}, {}, "0.32.0", bodies
+    FakeServer.max_model_len = max_model_len
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+
+
+@pytest.fixture
+def server():
+    with serve(max_model_len=None) as url:
+        yield url
 
 
 def test_http_backend_gives_the_engines_turns_and_manages_adapters_by_name(server, tmp_path, tokenizer):
@@ -97,7 +122,8 @@ def test_http_backend_gives_the_engines_turns_and_manages_adapters_by_name(serve
     llm = ServerLLM(server)
     assert llm.model == "base"
     b = VLLMBackend(llm, tok, adapters=ADAPTERS, work_dir=tmp_path, tools={"echo": EchoTool()}, max_len=engine.max_len,
-                    logprobs="recompute", vocab_size=model.config.vocab_size, eos_ids=sorted(engine.eos_ids), api=API)  # fmt: skip
+                    logprobs="recompute", vocab_size=model.config.vocab_size, eos_ids=sorted(engine.eos_ids), api=API,
+                    tag="")  # fmt: skip
     b.sync(model)
     assert llm.list_loras() == {1, 2} and set(FakeServer.ids) == {"reason@v1", "tool@v1"}
     for got, w in zip(run_all(b, reqs), want, strict=True):

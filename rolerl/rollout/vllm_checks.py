@@ -1,0 +1,130 @@
+"""What the vLLM backend checks before it trusts a vLLM engine or server (issue 46, found by running the
+backend against real vLLM and reading vLLM's source):
+
+- the version: before vLLM 0.13 a greedy request batched with sampled ones carried a temperature of -1 into
+  the processed log-probs (0.10.2's input batch), so a rollout mixing greedy and sampled calls logged wrong
+  numbers; 0.13 is the first release we accept;
+- the dtype per device: vLLM's GPU LoRA kernels take fp16/bf16 only (fp32 fails in its start-up
+  profiling); its CPU build runs LoRA in fp32, the trainer's dtype, which makes the parity exact;
+- the temperature: vLLM raises 0 < T < 0.01 to 0.01 and refuses T > 2, so a temperature outside [0.01, 2]
+  would sample (or fail) otherwise than the trainer's log-probs assume;
+- the engine's context length: a request longer than the server's `--max-model-len` is answered 400.
+
+`check_vllm_config` turns what a config gets wrong into `ConfigError`s naming the fields.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+MIN_VLLM = (0, 13, 0)
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0  # vLLM's _MAX_TEMP clamp and its [0, 2] validation
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """`0.32.0`, `0.10.2rc1`, `0.11.0+cpu` -> (major, minor, patch); missing parts are 0."""
+    m = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    if m is None:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(g or 0) for g in m.groups())  # type: ignore[return-value]
+
+
+def check_vllm_version(version: str, where: str) -> None:
+    """Refuse a vLLM older than `MIN_VLLM` (`where`: the engine or the server's URL, for the message)."""
+    if parse_version(version) < MIN_VLLM:
+        need = ".".join(map(str, MIN_VLLM))
+        raise RuntimeError(
+            f"{where} runs vLLM {version}; rollout.backend=vllm needs vLLM >= {need}: before it, greedy "
+            "requests batched with sampled ones get wrong processed log-probs (a temperature of -1 for greedy "
+            f"rows). Upgrade: pip install 'vllm>={need}' (docs/ROLLOUT.md)"
+        )
+
+
+def vllm_dtype(
+    requested: str, model_dtype: torch.dtype, device_type: str, bf16_ok: bool | None = None
+) -> str:
+    """The dtype vLLM's engine runs in (`rollout.vllm.dtype`): `auto` = the trainer's weights' dtype where
+    vLLM's LoRA supports it (any on CPU; fp16/bf16 on a GPU, where fp32 maps to bf16, or fp16 without
+    bf16). An explicit fp32 on a GPU is refused: vLLM's LoRA kernels would fail on it at start-up."""
+    allowed = ("auto", "float32", "bfloat16", "float16")
+    if requested not in allowed:
+        raise ValueError(f"rollout.vllm.dtype={requested!r}; allowed: {list(allowed)}")
+    gpu = device_type == "cuda"
+    if bf16_ok is None:  # this machine's GPU (none here: assume one with bf16, as every GPU since Ampere)
+        bf16_ok = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+    if requested == "auto":
+        name = str(model_dtype).removeprefix("torch.")
+        if gpu and name not in ("bfloat16", "float16"):
+            return "bfloat16" if bf16_ok else "float16"
+        return name
+    if gpu and requested == "float32":
+        raise ValueError(
+            "rollout.vllm.dtype='float32' on a GPU: vLLM's LoRA kernels take float16 or bfloat16 only; "
+            "allowed there: 'auto' (bfloat16, or float16 without bf16), 'bfloat16', 'float16'"
+        )
+    return requested
+
+
+def check_temperature(value: float, field: str) -> None:
+    """A sampling temperature vLLM honours as given: greedy (0) or within [0.01, 2]."""
+    if value != 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        from rolerl.config import ConfigError
+
+        raise ConfigError(
+            f"{field}={value} with rollout.backend=vllm: vLLM raises 0 < T < {MIN_TEMPERATURE} to "
+            f"{MIN_TEMPERATURE} and refuses T > {MAX_TEMPERATURE}, so its samples and log-probs would not be "
+            f"the trainer's at T={value}; allowed: 0 (greedy, evaluation only) or a number in "
+            f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
+        )
+
+
+def engine_max_len(llm: Any) -> int | None:
+    """The longest sequence (prompt + completion) the engine accepts: a server's `max_model_len` as
+    `/v1/models` reports it, the offline engine's model config; None where neither says (a fake)."""
+    value = getattr(llm, "max_model_len", None)
+    if value is None:
+        config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+        value = getattr(config, "max_model_len", None)
+    return int(value) if isinstance(value, int) else None
+
+
+def check_vllm_config(cfg, policy) -> None:
+    """The settings the vLLM backend cannot honour, as `ConfigError`s naming the fields."""
+    from rolerl.config import ConfigError
+
+    mode = cfg.rollout.vllm.get("logprobs", "processed")
+    top_ps = [cfg.rollout.top_p, *(c.top_p for c in cfg.roles.values() if c.top_p is not None)]
+    if min(top_ps) < 1.0 and not (mode == "recompute" and cfg.algorithm.old_logp == "recompute"):
+        raise ConfigError(
+            f"rollout.top_p={min(top_ps)} with rollout.backend=vllm: vLLM's log-probs are renormalised over the "
+            "kept tokens and the trainer's are not; set rollout.vllm.logprobs=recompute and "
+            "algorithm.old_logp=recompute (or top_p 1)"
+        )
+    check_temperature(cfg.rollout.temperature, "rollout.temperature")
+    if cfg.eval.every:  # evaluation during training samples through this backend too
+        check_temperature(cfg.eval.temperature, "eval.temperature")
+    if not cfg.rollout.vllm.get("url"):  # a server's dtype is its own (--dtype)
+        weights = {next(m.model.parameters()).dtype for m in policy.members.values()}
+        try:
+            served = {
+                vllm_dtype(str(cfg.rollout.vllm.get("dtype", "auto")), w, policy.device.type) for w in weights
+            }
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if {
+            str(w).removeprefix("torch.") for w in weights
+        } != served and cfg.algorithm.old_logp != "recompute":
+            raise ConfigError(
+                f"vLLM serves the model in {sorted(served)} on {policy.device.type} while the trainer's weights "
+                f"are {sorted(map(str, weights))}: set algorithm.old_logp=recompute (and algorithm.tis_cap, e.g. 2.0)"
+            )  # fmt: skip
+    routed = [role for role, table in policy.route_of.items() if len(set(table.values())) > 1]
+    if routed and cfg.algorithm.old_logp != "recompute":
+        raise ConfigError(
+            f"roles {routed} route tokens to several adapters (adapters.preset={cfg.adapters.preset!r}): vLLM "
+            "applies one adapter per segment, so the rollout's log-probs are not the true routing's; set "
+            "algorithm.old_logp=recompute (and algorithm.tis_cap, e.g. 2.0, to correct the mismatch)"
+        )
