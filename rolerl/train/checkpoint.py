@@ -10,13 +10,17 @@ RUN_DIR/
 ```
 
 A checkpoint is written into a hidden temp directory beside its final place and renamed into place, so
-a crash leaves either the whole checkpoint or none; only the newest `keep_last` are kept. A checkpoint
-that cannot be read back (a disk fault) is skipped for the previous one, with a warning naming the file.
+a crash leaves either the whole checkpoint or none; only the newest `keep_last` are kept, and an old one is
+renamed out of the `step_N` namespace before it is deleted (a crash mid-delete leaves a hidden directory,
+never a half-deleted `step_N`). A write that fails (a full disk) leaves the earlier checkpoints as they
+were and raises `CheckpointWriteError` naming the directory. A checkpoint that cannot be read back (a disk
+fault) is skipped for the previous one, with a warning naming the file.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
 import logging
@@ -37,6 +41,7 @@ from torch import nn
 
 from rolerl.config import Config
 from rolerl.models.adapters_io import CorruptFileError, load_adapter, save_adapter
+from rolerl.train.distributed import fault_point
 from rolerl.train.optim import Optimizer, OptimizerStateError
 
 log = logging.getLogger(__name__)
@@ -50,16 +55,19 @@ class CheckpointError(ValueError):
     """No checkpoint of a run directory can be read back."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only or vanished directory); nothing of it
+    was kept and the earlier checkpoints are intact. `errno` is the cause's (`errno.ENOSPC`: disk full)."""
+
+
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during a run, after the last completed step was checkpointed. A KeyboardInterrupt, so code
     that catches `Exception` still lets it through; `str()` is the one line to show the user."""
 
-    def __init__(self, step: int, saved: int, run_dir: str | Path) -> None:
+    def __init__(self, step: int, saved: int, run_dir: str | Path, why: str = "interrupted") -> None:
         self.step, self.saved, self.run_dir = step, saved, Path(run_dir)
         kept = f"step {saved} is checkpointed" if saved else "no step had completed"
-        super().__init__(
-            f"interrupted at step {step} ({kept}); continue with rolerl train --resume {run_dir}"
-        )
+        super().__init__(f"{why} at step {step} ({kept}); continue with rolerl train --resume {run_dir}")
 
 
 def holds_run(run_dir: str | Path) -> list[str]:
@@ -281,12 +289,13 @@ def save_checkpoint(
     `Optimizer` (state by name) or any object with `state_dict()`. `rng`: the RNG states to store
     (default: now), e.g. those captured when `step` completed."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}-", dir=root))
+    final, tmp = root / f"step_{step}", None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".step_{step}-", dir=root))
         for name, model in adapters.items():
             save_adapter(model, name, tmp / "adapters" / name)
+        fault_point("checkpoint", step)  # test-only: a rank killed mid-write (tests/train/test_faults.py)
         state = {
             "step": step,
             "optimizer": optimizer.state_dict(),
@@ -294,18 +303,59 @@ def save_checkpoint(
             "rng": rng if rng is not None else rng_state(),
             "extra": extra or {},
         }
-        torch.save(state, tmp / "state.pt")
+        with open(tmp / "state.pt", "wb") as f:  # a file object: a write's OSError reaches `_os_error`
+            torch.save(state, f)
         if final.exists():  # re-saving a step (a resumed run): replace it whole
-            old = root / f".step_{step}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
+            _delete(final)
         os.replace(tmp, final)
+    except Exception as e:
+        cause = _os_error(e)
+        if cause is None:  # not the file system's doing: a bug, shown as it is
+            raise
+        raise _write_error(run_dir, root, step, cause) from e
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     for _, path in checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        _delete(path)
     return final
+
+
+def _delete(path: Path) -> None:
+    """Delete checkpoint `path`: renamed to a hidden name first (atomic), so that a crash midway never
+    leaves a half-deleted `step_N` that would count as a checkpoint (`clean_partial` removes the rest)."""
+    gone = path.with_name(f".{path.name}.deleted")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OS error behind a failed write: `e`, or one it was raised from or while handling (torch.save's
+    writer turns the file's OSError into a RuntimeError), or one safetensors names as `(os error N)`."""
+    seen: BaseException | None = e
+    for _ in range(8):  # a chain is short; a cycle must not loop
+        if seen is None:
+            return None
+        if isinstance(seen, OSError):
+            return seen
+        if m := re.search(r"\(os error (\d+)\)", str(seen)):
+            return OSError(int(m[1]), os.strerror(int(m[1])))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _write_error(run_dir: str | Path, root: Path, step: int, e: OSError) -> CheckpointWriteError:
+    """The error that says which directory failed, why (a full disk in words), and how to go on."""
+    why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    kept = checkpoints(run_dir)
+    left = f"step_{kept[-1][0]} is intact" if kept else "no earlier checkpoint exists"
+    err = CheckpointWriteError(
+        f"could not write checkpoint step_{step} in {str(root)!r}: {why} ({e}); nothing of it was kept and "
+        f"{left}; free space there, then continue with rolerl train --resume {run_dir}"
+    )
+    err.errno = e.errno
+    return err
 
 
 def load_checkpoint(

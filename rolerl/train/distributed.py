@@ -11,13 +11,22 @@ DDP's wrapper expects; only adapters train), with a gradient that no rank produc
 skips the parameter, as in one process), and every rank takes the same optimizer step. Metric sums are
 merged over ranks; rank 0 writes checkpoints and logs. Without torchrun (no `WORLD_SIZE`) this is one
 process and every collective here is the identity.
+
+Faults (docs/DISTRIBUTED.md "When a rank fails"): a collective that fails (a peer died: gloo sees its socket
+close; or no answer within `train.dist_timeout_s`) raises `RankFailure`, which the loop completes with the
+`--resume` command; torchrun, seeing a rank exit, sends SIGTERM to the others, which `sigterm_raises` turns
+into an exception so that they, too, stop through the loop's error path instead of vanishing silently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable, Sequence
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -27,6 +36,17 @@ import torch.distributed as torch_dist
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+FAULT_ENV = "ROLERL_FAULT"
+
+
+class RankFailure(ConnectionError):
+    """A collective failed: another rank died, or did not answer within `train.dist_timeout_s`. An
+    OSError (a fault of the machine, not a bug), so `rolerl train` prints it as one line."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (torchrun stopping the job after another rank failed, or a scheduler preempting it): stops
+    the run the way Ctrl-C does (the last completed step is checkpointed first)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,7 @@ class Dist:
         if not self.active:
             return [obj]
         out: list[Any] = [None] * self.world
-        torch_dist.all_gather_object(out, obj)
+        self._call("all_gather_object", torch_dist.all_gather_object, out, obj)
         return out
 
     def interleave(self, mine: Sequence[T], n_tasks: int, per_task: int) -> list[T]:
@@ -73,7 +93,7 @@ class Dist:
         if not self.active:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.float64, device=self._device())
-        torch_dist.all_reduce(t)
+        self._call("all_reduce", torch_dist.all_reduce, t)
         return t.cpu().tolist()
 
     def reduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -93,7 +113,7 @@ class Dist:
             for p in params
         ]
         buffer = torch.cat([has, *flat])
-        torch_dist.all_reduce(buffer)
+        self._call("all_reduce of the gradients", torch_dist.all_reduce, buffer)
         offset = len(params)
         for i, p in enumerate(params):
             n = p.numel()
@@ -108,11 +128,23 @@ class Dist:
             return
         with torch.no_grad():
             for p in params:
-                torch_dist.broadcast(p.data, src=0)
+                self._call("broadcast", torch_dist.broadcast, p.data, src=0)
 
     def barrier(self) -> None:
         if self.active:
-            torch_dist.barrier()
+            self._call("barrier", torch_dist.barrier)
+
+    def _call(self, name: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one collective; its failure (gloo: `Connection closed by peer`, a timeout; NCCL: a
+        `DistBackendError`, all RuntimeErrors) becomes a `RankFailure` that says what it means."""
+        try:
+            return collective(*args, **kwargs)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RankFailure(
+                f"rank {self.rank} of {self.world}: {name} failed ({first}): another rank died or did not "
+                "answer within train.dist_timeout_s"
+            ) from e
 
     def _device(self) -> torch.device:
         if self.active and torch_dist.get_backend() == "nccl":
@@ -126,7 +158,8 @@ SINGLE = Dist()
 def init_from_env(cuda: bool | None = None, timeout_s: float = 1800.0) -> Dist:
     """Join the torchrun job this process belongs to (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, and the
     rendezvous torchrun sets up), or `SINGLE` outside torchrun. NCCL when the run is on CUDA (`cuda`;
-    default: whether torch sees a GPU), each rank on GPU `LOCAL_RANK`; gloo on CPUs."""
+    default: whether torch sees a GPU), each rank on GPU `LOCAL_RANK`; gloo on CPUs. `timeout_s`
+    (`train.dist_timeout_s`): how long a collective waits for a rank that neither answers nor dies."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return SINGLE
@@ -150,5 +183,67 @@ def close(dist: Dist, ok: bool = True) -> None:
     """Leave the process group `init_from_env` created, once every rank is done (`ok`). After an error no
     rank waits for the others (a failed rank never arrives; torchrun stops the job)."""
     if dist.joined and ok and torch_dist.is_initialized():
-        torch_dist.barrier()
+        dist.barrier()
         torch_dist.destroy_process_group()
+
+
+_stopping = False  # the run is on its error path (`stopping`): SIGTERM no longer interrupts it
+
+
+def stopping() -> None:
+    """The run is on its way out after an error: from now on SIGTERM (which torchrun sends the other ranks
+    as soon as one fails) is only logged, so that the checkpoint of the last completed step and the error
+    report complete (torchrun sends SIGKILL 30 s later, should a rank linger)."""
+    global _stopping
+    _stopping = True
+
+
+@contextlib.contextmanager
+def sigterm_raises(keep_after_error: bool = False) -> Iterator[None]:
+    """While inside, the first SIGTERM raises `Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt (elsewhere, or outside, SIGTERM keeps its handler): torchrun's agent stops the ranks
+    left after one failed with SIGTERM, and without this a rank busy computing would vanish without a word
+    or a checkpoint. `keep_after_error` (a torchrun rank, about to exit): when the block raises, SIGTERM
+    stays absorbed, so a late one cannot cut the error report short."""
+    global _stopping
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if _stopping:
+            log.warning("SIGTERM while stopping: the checkpoint and the error report finish first")
+            return
+        stopping()
+        raise Terminated("SIGTERM")
+
+    _stopping = False
+    previous = signal.signal(signal.SIGTERM, handler)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        if not (failed and keep_after_error):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def fault_point(point: str, step: int) -> None:
+    """TEST-ONLY fault injection (tests/train/test_faults.py); unset in real runs, where this is one
+    environment lookup. `ROLERL_FAULT=ACTION:rankR:stepN:POINT` makes rank R (`RANK`, 0 outside torchrun)
+    act when it reaches POINT of step N: `kill` sends itself SIGKILL, `hang` sleeps (alive, silent). The
+    points: `update` (a step's update, before its first collective) and `checkpoint` (mid-write: the
+    adapters written, `state.pt` not)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    action, rank, at, where = spec.split(":")
+    if (where, at, rank) != (point, f"step{step}", f"rank{os.environ.get('RANK', '0')}"):
+        return
+    log.warning("%s=%s: %s now", FAULT_ENV, spec, action)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "hang":
+        time.sleep(3600)
+    else:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: the action is kill or hang")
