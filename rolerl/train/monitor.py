@@ -17,6 +17,7 @@ import torch
 from rolerl.roles import KINDS, POLICY_KINDS, PROMPT
 from rolerl.rollout.scheduler import RolloutBackend
 from rolerl.types import Episode
+from rolerl.workflows.base import pooled_measures
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,9 @@ def ticker(tick: Callable[[], None], every_s: float = 0.5):
 
 
 def episode_metrics(episodes: Sequence[Episode], policy: Any, workflow: str = "workflow") -> dict[str, float]:
-    """Rewards, accuracy, lengths, tools, per-role and per-kind counts of a step's episodes, and each kind of
-    malformed output the workflow met (`workflow/<name>/malformed/<case>`: per episode)."""
+    """Rewards, accuracy, lengths, tools, per-role and per-kind counts of a step's episodes, each kind of
+    malformed output the workflow met (`workflow/<name>/malformed/<case>`: per episode), and each role's
+    own metric the workflow measured (`workflow/<name>/<metric>`, `Context.measure`: docs/WORKFLOWS.md)."""
     rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
     turns = [t for e in episodes for t in e.turns]
     calls = [c for t in turns for c in t.tool_calls]
@@ -112,6 +114,8 @@ def episode_metrics(episodes: Sequence[Episode], policy: Any, workflow: str = "w
         malformed.update(e.metadata.get("malformed", {}))
     for case, count in sorted(malformed.items()):
         out[f"workflow/{workflow}/malformed/{case}"] = count / max(len(episodes), 1)
+    for metric, value in pooled_measures([e.metadata.get("measures", {}) for e in episodes]).items():
+        out[f"workflow/{workflow}/{metric}"] = value
     kinds = Counter(k for t in turns for k in t.kinds)
     for kind in KINDS:
         if kind != PROMPT:

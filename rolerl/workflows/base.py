@@ -77,6 +77,7 @@ class Context:
     roles: Mapping[str, RoleCalls] = field(default_factory=dict)  # per-role model and call settings
     turns: list[Turn | None] = field(default_factory=list)  # None: a call still in flight
     problems: dict[str, int] = field(default_factory=dict)  # malformed outputs by case (`malformed`)
+    measures: dict[str, list[float]] = field(default_factory=dict)  # role metric -> [sum, count] (`measure`)
 
     async def generate(
         self,
@@ -130,6 +131,14 @@ class Context:
         step's metrics); the workflow applies its documented rule and carries on."""
         self.problems[case] = self.problems.get(case, 0) + 1
 
+    def measure(self, metric: str, value: float) -> None:
+        """One observation of a role's own metric (`workflow/<name>/<metric>` in the step's metrics: the
+        mean of every observation of the step, pooled over its episodes; docs/WORKFLOWS.md lists them).
+        A workflow observes where it knows the truth: per episode, per verdict, per worker..."""
+        total = self.measures.setdefault(metric, [0.0, 0.0])
+        total[0] += float(value)
+        total[1] += 1.0
+
     def tokenizer_of(self, role: str | None) -> Any:
         """The tokenizer of `role`'s model (roles on other models have their own vocabulary)."""
         calls = self.roles.get(role) if role is not None else None
@@ -153,5 +162,25 @@ class Context:
         metadata.setdefault("correct", reward >= 1.0)
         if self.problems:
             metadata.setdefault("malformed", dict(self.problems))
+        if self.measures:
+            metadata.setdefault("measures", {k: list(v) for k, v in self.measures.items()})
         turns = [t for t in self.turns if t is not None]  # a call never awaited is not part of the episode
         return Episode(task_id=example.id, turns=turns, reward=float(reward), metadata=metadata)
+
+
+def workflow_name(workflow: Any) -> str:
+    """The name its metrics go under (`workflow/<name>/...`): its `name`, else its class's, lower case."""
+    return getattr(workflow, "name", type(workflow).__name__.lower())
+
+
+def pooled_measures(measures: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, float]:
+    """Each role metric of many episodes' `metadata["measures"]` (`Context.measure`): the mean of all its
+    observations, pooled (sum of sums over sum of counts), so an episode with three verdicts weighs three
+    times one with one; a metric nobody observed is absent, not 0."""
+    sums: dict[str, list[float]] = {}
+    for m in measures:
+        for metric, (total, count) in m.items():
+            acc = sums.setdefault(metric, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += count
+    return {metric: total / count for metric, (total, count) in sorted(sums.items()) if count > 0}

@@ -15,6 +15,19 @@ Credit. The task's reward on the final answer is the outcome, broadcast under `a
 broadcast: a generator call's is the task's reward on its own answer; an evaluator call's is 1 if its
 verdict matches the true correctness of the answer it judged (`task.check`, else reward >= 1), else 0.
 
+Role metrics (`Context.measure`, `workflow/eval_opt/<metric>`; docs/WORKFLOWS.md); "right" is `task.check`
+(else reward >= 1) on the answer:
+- `evaluator_verdict_acc`: per review, its verdict matches the rightness of the answer it judged (no
+  verdict: a miss), the evaluator call's own reward;
+- `generator_first_acc`: per episode, the first answer is right (the final accuracy minus it is the
+  loop's net gain);
+- `revision_wrong_to_right`: per revision of a wrong answer, the revision is right;
+- `revision_right_to_wrong`: per revision of a right answer (the evaluator wrongly said Incorrect), the
+  revision is wrong.
+
+Warm start: `EvalOpt.evaluator_demonstration` turns an answer whose rightness the grader knows into an
+imitation row for the evaluator (the first review's prompt, the grader's verdict), for `rolerl sft`.
+
 Malformed (counted, `workflow/eval_opt/malformed/<case>`):
 - `no_verdict`: no `\\boxed{Correct}` / `\\boxed{Incorrect}` in the review (the last one counts); the rule is
   paper 3's (an unknown verdict is "not satisfied"): treated as Incorrect, so the generator revises with the
@@ -25,6 +38,7 @@ Malformed (counted, `workflow/eval_opt/malformed/<case>`):
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from rolerl.tasks.base import Example, Task
 from rolerl.types import Episode
@@ -44,6 +58,10 @@ REFINE_PROMPT = (  # paper 3's v2 refinement prompt; the answer format is the on
     "Revise your solution to fix the identified issue. Keep the parts that are correct, fix the flawed part "
     "and what depends on it, and give the final answer in the format asked above."
 )
+VERDICT_REPLY = {  # a warm start's evaluator replies (`EvalOpt.evaluator_demonstration`)
+    True: "The reasoning holds and the final answer is right.\n\n\\boxed{Correct}",
+    False: "The final answer is wrong: recheck each step of the computation that leads to it.\n\n\\boxed{Incorrect}",
+}
 _VERDICT = re.compile(r"\\boxed\{\s*(?:\\text(?:bf)?\{\s*)?(correct|incorrect)\b", re.IGNORECASE)
 
 
@@ -65,9 +83,15 @@ class EvalOpt:
     async def run(self, ctx: Context, example: Example) -> Episode:
         prompt = self.task.prompt(example)
         answer = await ctx.generate("generator", prompt)
-        review = None
+        review, was = None, None  # was: the previous answer's rightness
         for r in range(self.rounds):
             text = ctx.text(answer)
+            ok = self.correct(example, text)
+            if was is None:
+                ctx.measure("generator_first_acc", ok)
+            else:
+                ctx.measure("revision_right_to_wrong" if was else "revision_wrong_to_right", ok != was)
+            was = ok
             if not text.strip():
                 ctx.malformed("empty_answer")
             ask = EVALUATOR_PROMPT.format(problem=problem_text(prompt), solution=text.strip() or "(empty)")
@@ -80,7 +104,8 @@ class EvalOpt:
             if verdict is None:
                 ctx.malformed("no_verdict")
             answer.reward = self.task.reward(example, text)  # the generator call's own credit
-            review.reward = 1.0 if verdict == self.correct(example, text) else 0.0
+            review.reward = 1.0 if verdict == ok else 0.0
+            ctx.measure("evaluator_verdict_acc", verdict == ok)
             if verdict is True or r == self.rounds - 1:
                 break
             note = REFINE_PROMPT.format(feedback=feedback.strip() or "(no feedback)")
@@ -88,9 +113,22 @@ class EvalOpt:
                 "generator", ctx.follow_up(answer, [{"role": "user", "content": note}])
             )
         return ctx.episode(  # the last answer: the loop always ends with a review of it
-            example, self.task.reward(example, text), correct=self.correct(example, text), text=text,
+            example, self.task.reward(example, text), correct=ok, text=text,
             rounds=r + 1,
         )  # fmt: skip
+
+    def evaluator_demonstration(self, example: Example, text: str) -> dict[str, Any]:
+        """An imitation row for the evaluator (`rolerl sft`'s JSONL format): the first review's prompt this
+        workflow sends for the answer `text`, and the verdict the task's grader gives it (`VERDICT_REPLY`).
+        The answers can be real generator samples or any solutions whose rightness the grader knows."""
+        ask = EVALUATOR_PROMPT.format(
+            problem=problem_text(self.task.prompt(example)), solution=text.strip() or "(empty)"
+        )
+        reply = VERDICT_REPLY[self.correct(example, text)]
+        return {
+            "role": "evaluator",
+            "messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}],
+        }
 
     def correct(self, example: Example, text: str) -> bool:
         check = getattr(self.task, "check", None)

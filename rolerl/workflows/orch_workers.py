@@ -12,6 +12,14 @@ outcome under `role`, 0 under `mix`). Paper 3 groups all workers of a task's n e
 group: `algorithm.group_key: role`; `role_instance` would group the k-th worker of each episode, whose
 strategies differ from episode to episode.
 
+Role metrics (`Context.measure`, `workflow/orch_workers/<metric>`; docs/WORKFLOWS.md); "right" is
+`task.check` (else reward >= 1) on the text:
+- `plan_valid`: per episode, the plan parsed into 1 to `workers` strategies (neither malformed case);
+- `worker_acc`: per worker call, its solution is right: each worker solves the whole problem, so the
+  task's grader judges its reply as it judges a final answer (the strategy's own steps are not judged);
+- `any_worker_correct`: per episode, some worker was right (the synthesizer's ceiling);
+- `synthesizer_acc`: over the episodes where some worker was right, the final answer is right.
+
 Strategies are parsed from lines that start with "Strategy k:" (any case, markdown bold or headings
 around it), "k." or "k)", or a "-", "*", "+" or "•" bullet; unmarked lines continue the item above until
 a blank line; text before the first item is ignored; duplicates (same words, any case or punctuation) are
@@ -92,6 +100,7 @@ class OrchWorkers:
         system = {"role": "system", "content": ORCHESTRATOR_SYSTEM.format(m=self.workers)}
         plan = await ctx.generate("orchestrator", [system, *question])
         strategies = parse_strategies(ctx.text(plan))
+        ctx.measure("plan_valid", 1 <= len(strategies) <= self.workers)
         if not strategies:
             ctx.malformed("no_strategies")
         elif len(strategies) > self.workers:
@@ -104,6 +113,9 @@ class OrchWorkers:
         texts = [ctx.text(t) for t in solved]
         for turn, text in zip(solved, texts, strict=True):
             turn.reward = self.task.reward(example, text)  # the worker's own credit (module doc)
+            ctx.measure("worker_acc", self.correct(example, text))
+        any_right = any(self.correct(example, t) for t in texts)
+        ctx.measure("any_worker_correct", any_right)
         labels = [f"Solution {i + 1} (strategy: {s})" for i, s in enumerate(strategies)] or ["Solution 1"]
         solutions = "\n\n".join(
             f"{label}:\n{t.strip() or '(empty)'}" for label, t in zip(labels, texts, strict=True)
@@ -114,7 +126,12 @@ class OrchWorkers:
         text = ctx.text(final)
         if not text.strip():
             ctx.malformed("empty_answer")
+        correct = self.correct(example, text)
+        if any_right:
+            ctx.measure("synthesizer_acc", correct)
         reward = self.task.reward(example, text)
-        check = getattr(self.task, "check", None)
-        correct = check(example, text) if check is not None else reward >= 1.0
         return ctx.episode(example, reward, correct=correct, text=text, strategies=len(strategies))
+
+    def correct(self, example: Example, text: str) -> bool:
+        check = getattr(self.task, "check", None)
+        return bool(check(example, text)) if check is not None else self.task.reward(example, text) >= 1.0

@@ -19,6 +19,14 @@ reward is the outcome (the task's reward on its last text). As in MSARL v4, a re
 sibling group (`Turn.group`, with `sibling_groups` and `coder_samples` > 1): their advantages compare them
 with each other, while the reasoner's group is `algorithm.group_key`'s, over the task's episodes.
 
+Role metrics (`Context.measure`, `workflow/reasoner_tools/<metric>`; docs/WORKFLOWS.md):
+- `coder_ran`: per coder call, its code ran (a tool call whose last call did not fail);
+- `coder_reward`: per coder call, its own reward (the graded reward above; the outcome without
+  `role_rewards`);
+- `reasoner_uses_result`: over the episodes that end in an `<answer>` after at least one result that did
+  not error, the answer is a value the coder returned: the answer (stripped) equals a non-empty line of
+  such a result (stripped) or a number in one, numbers compared as numbers (`42` = `42.0`).
+
 Malformed output (counted, `workflow/reasoner_tools/malformed/<case>`; the call goes on):
 - `no_answer`: a reasoner turn with neither a request nor an answer (or no answer after the cap): graded;
 - `empty_request`: the result is an error message, no coder runs (it counts as a request);
@@ -53,6 +61,19 @@ CAP_MESSAGE = (
     "No more tool requests are possible ({m} used). Give your final answer now in <answer></answer> tags."
 )
 _ACTION = re.compile(r"<(request|answer)>(.*?)</\1>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def uses_result(answer: str, results: list[str]) -> bool:
+    """Whether `answer` is a value of the tool `results` (the `reasoner_uses_result` rule, module doc)."""
+    answer = answer.strip()
+    values = [line.strip() for r in results for line in r.splitlines() if line.strip()]
+    values += [n for r in results for n in _NUMBER.findall(r)]
+    if answer in values:
+        return True
+    if not _NUMBER.fullmatch(answer):
+        return False
+    return any(_NUMBER.fullmatch(v) and float(v) == float(answer) for v in values)
 
 
 def next_action(text: str) -> tuple[str | None, str]:
@@ -90,6 +111,7 @@ class ReasonerTools:
         question = [m for m in self.task.prompt(example) if m["role"] != "system"]
         turn = await self._reason(ctx, [{"role": "system", "content": REASONER_SYSTEM}, *question])
         coders: list[tuple[Turn, bool]] = []  # every coder call and whether its code ran
+        served: list[str] = []  # the outputs of the results that did not error
         requests = 0
         while True:
             action, request = next_action(ctx.text(turn))
@@ -108,7 +130,7 @@ class ReasonerTools:
                 ctx.malformed("empty_request")
                 result = "error: the request was empty"
             else:
-                result = await self._tool_work(ctx, example, request, coders)
+                result = await self._tool_work(ctx, example, request, coders, served)
             turn = await self._reason(ctx, self._reply(ctx, turn, f"Result: {result}"))
         text = ctx.text(turn)
         reward = self.task.reward(example, text)
@@ -117,6 +139,12 @@ class ReasonerTools:
         if self.role_rewards:  # MSARL's graded tool-agent reward (module doc)
             for coder, ran in coders:
                 coder.reward = (1.0 if correct else 0.2) if ran else 0.0
+        for coder, ran in coders:
+            ctx.measure("coder_ran", ran)
+            ctx.measure("coder_reward", reward if coder.reward is None else coder.reward)
+        action, answer = next_action(text)
+        if served and action == "answer":
+            ctx.measure("reasoner_uses_result", uses_result(answer, served))
         return ctx.episode(
             example, reward, correct=correct, text=text, requests=requests, code_ran=sum(r for _, r in coders)
         )
@@ -129,9 +157,15 @@ class ReasonerTools:
         return ctx.follow_up(turn, [{"role": "user", "content": content}])  # token in, token out
 
     async def _tool_work(
-        self, ctx: Context, example: Example, request: str, coders: list[tuple[Turn, bool]]
+        self,
+        ctx: Context,
+        example: Example,
+        request: str,
+        coders: list[tuple[Turn, bool]],
+        served: list[str],
     ) -> str:
-        """One request: `coder_samples` sibling coder calls; the result the reasoner sees (module doc)."""
+        """One request: `coder_samples` sibling coder calls; the result the reasoner sees (module doc), its
+        output added to `served` when it did not error."""
         prompt = [
             {"role": "system", "content": CODER_SYSTEM},
             {"role": "user", "content": f"Problem: {example.question}\n\nRequest: {request}"},
@@ -150,4 +184,6 @@ class ReasonerTools:
             return "error: the tool agent wrote no code"
         call = used[0].tool_calls[-1]
         output = call.output.strip() or "(no output)"
+        if not call.error:
+            served.append(output)
         return f"error\n{output}" if call.error else output

@@ -16,6 +16,19 @@ outcome (no own reward). With `rubric=True` it is `voting_v2`'s rubric instead:
 first turns in voter order, so under `algorithm.group_key: role_instance` voter k of every episode of a
 task is one advantage group (paper 3's `generator0/1/2`, PAPERS 1.4); `role` pools all voters.
 
+Role metrics (`Context.measure`, `workflow/voting/<metric>`, per episode; docs/WORKFLOWS.md):
+- `any_voter_correct`: some voter was right (the best available choice: an aggregator's ceiling);
+- `aggregator_choice_acc`: over the episodes where some voter was right, the aggregator chose (well
+  formed) a right reply; a malformed choice chose nothing and counts as wrong, whatever voter 1 wrote;
+- `majority_acc`: the voters' majority answer (`task.answer_of`; ties to the first seen, replies without
+  an answer do not vote: `eval.metrics.majority_correct`) is right; only for tasks with `answer_of`.
+The episode's accuracy is the chosen reply's, so it against `majority_acc` says whether the aggregator
+beats a majority vote.
+
+Warm start: `Voting.aggregator_demonstration` turns voter replies whose rightness the grader knows into an
+imitation row for the aggregator (the prompt this workflow sends, a reply choosing a right one), for
+`rolerl sft` to teach the protocol before RL.
+
 The choice is the last `\\boxed{<integer>}` (or `\\boxed{Solution <integer>}`) of the aggregator's reply.
 Malformed (counted, `workflow/voting/malformed/<case>`); for both the rule is voter 1's reply (paper 3's
 last fallback, `candidates[0]`). The voters are exchangeable samples, so that is a random pick: a better
@@ -27,11 +40,15 @@ fallback (the voters' majority answer) would pay an aggregator for not choosing.
 from __future__ import annotations
 
 import asyncio
+import random
 import re
+from collections.abc import Sequence
+from typing import Any
 
+from rolerl.eval.metrics import majority_correct
 from rolerl.tasks.base import Example, Messages, Task
 from rolerl.types import Episode
-from rolerl.workflows.base import Context
+from rolerl.workflows.base import Context, derive_seed
 
 AGGREGATOR_PROMPT = (  # paper 3's math aggregator prompt, task-neutral
     "You are an expert reviewer. Your task is to review multiple solutions to the same problem and select "
@@ -41,6 +58,7 @@ AGGREGATOR_PROMPT = (  # paper 3's math aggregator prompt, task-neutral
     "3. Select the solution number that is most likely correct\n"
     "4. Output your selection as \\boxed{{N}} where N is the solution number (1 to {n})"
 )
+CHOICE_REPLY = "Solution {i} is correct: its reasoning holds and its final answer is right.\n\n\\boxed{{{i}}}"
 _CHOICE = re.compile(r"\\boxed\{\s*(?:solution\s*)?(\d+)\s*\}", re.IGNORECASE)
 
 
@@ -48,6 +66,13 @@ def problem_text(messages: Messages) -> str:
     """The problem as the task asks it: its prompt's non-system messages (the answer format is the task's
     system prompt, which the reviewing roles do not follow)."""
     return "\n\n".join(m["content"] for m in messages if m["role"] != "system")
+
+
+def aggregator_messages(prompt: Messages, texts: Sequence[str]) -> Messages:
+    """The aggregator's prompt: the problem of the task's `prompt` and every voter reply, numbered from 1."""
+    solutions = "\n\n".join(f"--- Solution {i} ---\n{t.strip() or '(empty)'}" for i, t in enumerate(texts, 1))
+    ask = AGGREGATOR_PROMPT.format(problem=problem_text(prompt), solutions=solutions, n=len(texts))
+    return [{"role": "user", "content": ask}]
 
 
 def parse_choice(text: str, n: int) -> tuple[int, str | None]:
@@ -74,16 +99,13 @@ class Voting:
         prompt = self.task.prompt(example)  # every voter gets the identical prompt (paper 3)
         voters = await asyncio.gather(*[ctx.generate("voter", prompt) for _ in range(self.voters)])
         texts = [ctx.text(t) for t in voters]
-        solutions = "\n\n".join(
-            f"--- Solution {i} ---\n{t.strip() or '(empty)'}" for i, t in enumerate(texts, 1)
-        )
-        ask = AGGREGATOR_PROMPT.format(problem=problem_text(prompt), solutions=solutions, n=self.voters)
-        aggregator = await ctx.generate("aggregator", [{"role": "user", "content": ask}])
+        aggregator = await ctx.generate("aggregator", aggregator_messages(prompt, texts))
         choice, case = parse_choice(ctx.text(aggregator), self.voters)
         if case is not None:
             ctx.malformed(case)
         right = [self.correct(example, t) for t in texts]
         final = right[choice]
+        self.measure(ctx, texts, right, chose=None if case is not None else choice)
         for turn, text, ok in zip(voters, texts, right, strict=True):
             if self.rubric:
                 turn.reward = 0.5 * ok + 0.5 * final - 1.0 * (not ok and self.parseable(text))
@@ -95,6 +117,35 @@ class Voting:
             example, self.task.reward(example, texts[choice]), correct=final, text=texts[choice],
             choice=choice + 1, voters_correct=sum(right),
         )  # fmt: skip
+
+    def measure(self, ctx: Context, texts: list[str], right: list[bool], chose: int | None) -> None:
+        """The aggregator's choice against the best available one and against majority vote (module doc);
+        `chose`: the 0-based reply it picked, None for a malformed choice."""
+        ctx.measure("any_voter_correct", any(right))
+        if any(right):
+            ctx.measure("aggregator_choice_acc", chose is not None and right[chose])
+        answer_of = getattr(self.task, "answer_of", None)
+        if answer_of is not None:
+            votes = [(answer_of(t), ok) for t, ok in zip(texts, right, strict=True)]
+            ctx.measure("majority_acc", majority_correct(votes))
+
+    def aggregator_demonstration(
+        self, example: Example, texts: Sequence[str], seed: int = 0
+    ) -> dict[str, Any] | None:
+        """An imitation row for the aggregator (`rolerl sft`'s JSONL format): the prompt this workflow sends
+        for the voter replies `texts`, and a reply that chooses a right one, drawn uniformly among the right
+        ones (seeded by `seed` and the example, so the position carries no signal); None when no reply is
+        right (nothing to imitate). The replies can be real voter samples (`rolerl eval`'s samples.jsonl) or
+        any solutions whose rightness the task's grader knows."""
+        right = [i for i, t in enumerate(texts, 1) if self.correct(example, t)]
+        if not right:
+            return None
+        i = random.Random(derive_seed(seed, "aggregator-demo", example.id)).choice(right)
+        messages = aggregator_messages(self.task.prompt(example), texts)
+        return {
+            "role": "aggregator",
+            "messages": [*messages, {"role": "assistant", "content": CHOICE_REPLY.format(i=i)}],
+        }
 
     def correct(self, example: Example, text: str) -> bool:
         check = getattr(self.task, "check", None)

@@ -141,6 +141,12 @@ def test_eval_opt_trains_on_the_tiny_model(tmp_path):
     # a random tiny model never writes a verdict: every review is malformed and the generator revises up to
     # the cap, so 2 tasks x 4 samples x 2 rounds calls of each role
     assert row["workflow/eval_opt/malformed/no_verdict"] == 2.0
+    # the role metrics (tests/workflows/test_role_metrics.py): no verdict is never a right one; one revision
+    assert row["workflow/eval_opt/evaluator_verdict_acc"] == 0.0
+    assert 0.0 <= row["workflow/eval_opt/generator_first_acc"] <= 1.0
+    assert {"workflow/eval_opt/revision_wrong_to_right", "workflow/eval_opt/revision_right_to_wrong"} & set(
+        row
+    )
     assert row["role/generator/turns"] == 16.0 and row["role/evaluator/turns"] == 16.0
     assert row["adapter/generator/steps"] == 1.0 and row["adapter/evaluator/steps"] == 1.0
 

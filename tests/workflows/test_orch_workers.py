@@ -142,6 +142,10 @@ def test_orch_workers_trains_on_the_tiny_model(tmp_path):
     (row,) = RunDir(tmp_path, tensorboard=False).read_metrics()
     # a random model proposes no strategy: every episode is malformed and runs one worker (the rule)
     assert row["workflow/orch_workers/malformed/no_strategies"] == 1.0
+    # the role metrics (tests/workflows/test_role_metrics.py): no plan is valid; with one worker per episode
+    # the workers' accuracy is the share of episodes with a right worker
+    assert row["workflow/orch_workers/plan_valid"] == 0.0
+    assert row["workflow/orch_workers/worker_acc"] == row["workflow/orch_workers/any_worker_correct"]
     for role in OrchWorkers.roles:  # 2 tasks x 4 samples, one call of each role
         assert row[f"role/{role}/turns"] == 8.0 and row[f"adapter/{role}/steps"] == 1.0
 

@@ -283,6 +283,10 @@ def test_reasoner_tools_trains_on_the_tiny_model(tmp_path, monkeypatch, separate
     # 8 episodes: ask, code, ask again (over the cap), answer (or not)
     assert row["role/reasoner/turns"] == 24.0 and row["role/coder/turns"] == 8.0
     assert row["workflow/reasoner_tools/malformed/tool_cap"] == 1.0
+    # the role metrics (tests/workflows/test_role_metrics.py): a coder's reward is 0 unless its code ran
+    assert (
+        0.0 <= row["workflow/reasoner_tools/coder_reward"] <= row["workflow/reasoner_tools/coder_ran"] <= 1.0
+    )
     assert row["adapter/reasoner/steps"] == 1.0 and row["adapter/coder/steps"] == 1.0
     assert row["logp_mismatch/max_abs"] < 1e-3
 

@@ -178,6 +178,10 @@ def test_voting_trains_on_the_tiny_model(tmp_path):
     assert row["role/voter/turns"] == 16.0 and row["role/aggregator/turns"] == 8.0
     # a random tiny model never writes \boxed{1}: every choice is malformed, counted, not fatal
     assert row["workflow/voting/malformed/no_choice"] == 1.0
+    # the role metrics (tests/workflows/test_role_metrics.py): a malformed choice is never a right pick; a
+    # right majority needs a right voter
+    assert row.get("workflow/voting/aggregator_choice_acc", 0.0) == 0.0
+    assert row["workflow/voting/majority_acc"] <= row["workflow/voting/any_voter_correct"] <= 1.0
     assert row["adapter/voter/steps"] == 1.0 and row["adapter/aggregator/steps"] == 1.0
 
 
