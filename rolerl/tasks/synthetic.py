@@ -24,7 +24,7 @@ import json
 import random
 import re
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -234,15 +234,32 @@ def parse_answer(answer: str | None) -> int | None:
     return int(s.replace(",", "").split(".")[0])
 
 
+def tool_call_text(code: str, output: str, tags: Tags) -> str:
+    """A tool call in a demonstration: `code` in the tool tags, then the tool's `output` exactly as the
+    engine splices it (`format_tool_output`, right after the closing tool tag)."""
+    return f"{tags.tool_open}\n{code}\n{tags.tool_close}" + format_tool_output(tags, output)
+
+
+def answer_text(answer: str | int, tags: Tags) -> str:
+    """A demonstration's closing sentence with the tagged answer."""
+    return f"The answer is {tags.answer_open}{answer}{tags.answer_close}."
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
+    """`rows` as JSONL at `path`, written atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+    return path
+
+
 def demonstration_text(expr: str, answer: int, tags: Tags | None = None) -> str:
     """The assistant message of a demonstration: a tool call, its output exactly as the engine splices it
     (`format_tool_output`, right after the closing tool tag), and the tagged answer."""
     tags = tags or Tags()
-    return (
-        f"{tags.tool_open}\nprint({expr})\n{tags.tool_close}"
-        + format_tool_output(tags, f"{answer}\n")
-        + f"The answer is {tags.answer_open}{answer}{tags.answer_close}."
-    )
+    return tool_call_text(f"print({expr})", f"{answer}\n", tags) + answer_text(answer, tags)
 
 
 class SyntheticTask:
@@ -303,13 +320,7 @@ class SyntheticTask:
 
     def write_demonstrations(self, path: str | Path, n: int, seed: int, split: str = "train") -> Path:
         """`n` demonstrations of `split` as JSONL at `path` (written atomically)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        rows = (self.demonstration(e) for e in self.examples(split, n, seed))
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
-        return path
+        return write_jsonl(path, (self.demonstration(e) for e in self.examples(split, n, seed)))
 
 
 def _split_of(question: str) -> str:
