@@ -75,7 +75,7 @@ def warm_start(out: Path) -> Path:
         shutil.rmtree(warm, ignore_errors=True)
         warm.mkdir(parents=True)
         demos = format_task().write_demonstrations(warm / "demos.jsonl", 256, seed=0)
-        rolerl("sft", "rolerl/configs/demo.yaml", "--data", str(demos), "--set", f"run.dir={warm}",
+        rolerl("sft", "demo", "--data", str(demos), "--set", f"run.dir={warm}",
                "run.progress=false", log=out / "warm.log")  # fmt: skip
     return warm / "adapters" / "policy"
 
@@ -107,7 +107,7 @@ def reasoner_tools_warm_start(out: Path) -> Path:
                 {"role": "assistant", "content": code}]})  # fmt: skip
         demos = warm / "demos.jsonl"
         demos.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        rolerl("sft", "rolerl/configs/demo.yaml", "--data", str(demos), "--set", f"run.dir={warm}",
+        rolerl("sft", "demo", "--data", str(demos), "--set", f"run.dir={warm}",
                "adapters.preset=isolated", "run.progress=false", log=out / "warm-rt.log")  # fmt: skip
     return warm / "adapters"
 
@@ -164,7 +164,7 @@ def run(out: Path, seeds: list[int]) -> None:
             if not done(target):
                 shutil.rmtree(target, ignore_errors=True)
                 print(f"{arm} seed {seed}", flush=True)
-                rolerl("train", "rolerl/configs/demo.yaml", "--set", f"run.dir={target}", f"run.seed={seed}",
+                rolerl("train", "demo", "--set", f"run.dir={target}", f"run.seed={seed}",
                        f"adapters.init={inits[arm]}", *COMMON, *sets,
                        log=out / f"{arm}-s{seed}.log")  # fmt: skip
             evaluate(out, workflow, ["--run", str(target)], out / f"after-{arm}-s{seed}")

@@ -18,11 +18,14 @@ EPILOG = """examples:
   rolerl demo --quick                          a ~2 minute pipeline check of every stage
   rolerl generate --prompt "What is 2**10?" --tools python --greedy --json
   rolerl adapters --model default --names reason tool --rank 8 --out adapters/
-  rolerl train configs/smoke.yaml --set train.steps=5 run.dir=runs/smoke
+  rolerl configs list                          the example configs that ship with rolerl, by name
+  rolerl train smoke --set train.steps=5 run.dir=runs/smoke
+  rolerl train my.yaml --set run.dir=runs/mine    your own (rolerl configs copy voting my.yaml to start)
   rolerl train --resume runs/smoke             continue a run from its newest checkpoint
-  rolerl sft configs/smoke.yaml --set sft.data=demos.jsonl run.dir=runs/sft
+  rolerl sft smoke --set sft.data=demos.jsonl run.dir=runs/sft
   rolerl eval --task arithmetic --model tiny:llama --limit 8 --out runs/eval
   rolerl collect --task gsm8k --workflow tir --n 8 --out demos.jsonl    correct rollouts as SFT data
+  rolerl demos gsm8k --format tir --out demos.jsonl    GSM8K's train solutions as tool-call SFT data
   rolerl diagnose grad-conflict --task synthetic --workflow tir --run runs/demo/rl --limit 8 --out runs/gc
   rolerl report runs/a runs/b --out runs/report          one offline HTML page comparing runs
 """
@@ -316,7 +319,8 @@ def _add_config_args(p: argparse.ArgumentParser, resume: bool) -> None:
         "config",
         nargs="?",
         default=None,
-        help="YAML config" + (" (default: RUN_DIR/config.yaml)" if resume else ""),
+        help="a YAML file, or the name of an example shipped with rolerl (`rolerl configs list`)"
+        + (" (default: RUN_DIR/config.yaml)" if resume else ""),
     )
     p.add_argument(
         "--set",
@@ -330,11 +334,14 @@ def _add_config_args(p: argparse.ArgumentParser, resume: bool) -> None:
 
 
 def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """`rolerl train --set k=v CONFIG.yaml` puts the path among the overrides (argparse's nargs): take
-    it back out. Anything else without '=' is an error that says what an override looks like."""
+    """`rolerl train --set k=v CONFIG.yaml` (or an example's name) puts the config among the overrides
+    (argparse's nargs): take it back out. Anything else without '=' is an error that says what an override
+    looks like."""
+    from rolerl import configs
+
     config, overrides = args.config, []
     for item in args.overrides:
-        if "=" not in item and config is None and item.endswith((".yaml", ".yml")):
+        if "=" not in item and config is None and (item.endswith((".yaml", ".yml")) or configs.path_of(item)):
             config = item
         elif "=" not in item:
             raise ValueError(
@@ -376,7 +383,7 @@ def _run_train(args: argparse.Namespace) -> int:
     config, overrides = _config_and_overrides(args)
     path = config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
     if path is None:
-        raise ValueError("give a CONFIG.yaml (e.g. configs/smoke.yaml) or --resume RUN_DIR")
+        raise ValueError("give a CONFIG (a YAML file or an example's name, e.g. smoke) or --resume RUN_DIR")
     overrides = [*overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
     cfg = load_config(path, overrides)
     run_dir = train(cfg, resume=args.resume is not None, overwrite=args.overwrite)
@@ -406,7 +413,7 @@ def _run_sft(args: argparse.Namespace) -> int:
 
     config, overrides = _config_and_overrides(args)
     if config is None:
-        raise ValueError("give a CONFIG.yaml (e.g. configs/smoke.yaml)")
+        raise ValueError("give a CONFIG (a YAML file or an example's name, e.g. smoke)")
     cfg = load_config(config, [*overrides, *([f"sft.data={args.data}"] if args.data else [])])
     if not cfg.sft.data:
         raise ValueError("sft.data is empty: pass --data FILE.jsonl or --set sft.data=FILE.jsonl")
@@ -542,6 +549,39 @@ def _run_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_demos(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "source", choices=["gsm8k"], help="the data the demonstrations come from (its train split)"
+    )
+    p.add_argument("--format", dest="fmt", required=True, choices=["tir", "msarl"],
+                   help="tir: the tir workflow's policy; msarl: reasoner_tools' reasoner and coder")  # fmt: skip
+    p.add_argument(
+        "--out", required=True, metavar="FILE", help="the demonstrations JSONL (rolerl sft --data FILE)"
+    )
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="the data root, the gsm8k folder or its train.jsonl (default: the shared data)")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="convert the first N rows only")
+    p.add_argument("--max-calls", type=int, default=None, metavar="K",
+                   help="drop solutions with more than K computations (tool calls or requests)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=8, help="rows checked at once (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_demos(args: argparse.Namespace) -> int:
+    """Tool-integrated demonstrations from a benchmark's own training solutions: each GSM8K calculator
+    annotation becomes a Python call (TIR) or a reasoner request and the coder's code (MSARL), run in the
+    sandbox and checked against the annotation and the gold answer; never from the test split."""
+    from rolerl.tasks.gsm8k_demos import build, summary_lines
+
+    t0 = time.perf_counter()
+    report = build(args.fmt, args.out, data=args.data, limit=args.limit, max_calls=args.max_calls,
+                   workers=args.workers, progress=not args.no_progress)  # fmt: skip
+    for line in summary_lines(report, args.out, args.fmt):
+        print(line, file=sys.stderr)
+    print(json.dumps({"out": args.out, **report.summary(), "wall_s": round(time.perf_counter() - t0, 1)}))
+    return 0
+
+
 def _configure_diagnose(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="diagnostic", metavar="DIAGNOSTIC", required=True)
     g = sub.add_parser(
@@ -626,21 +666,83 @@ def _configure_serve_retriever(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dir", default=None, help="where the BM25 index is cached (default $ROLERL_CACHE/bm25)"
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=16,
+        help="threads that answer requests; connections beyond them wait their turn. 0: a thread "
+        "per connection (the stdlib's way, unbounded) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backlog",
+        type=int,
+        default=1024,
+        help="connections the kernel queues before the server accepts them: the stdlib's 5 resets "
+        "clients from ~32 at once; Linux caps it at net.core.somaxconn (default: %(default)s)",
+    )
 
 
 def _run_serve_retriever(args: argparse.Namespace) -> int:
     """Serve BM25 retrieval over CORPUS with Search-R1's protocol (POST /retrieve {"queries": [...],
-    "topk": k, "return_scores": true}), for `rollout.tool: search` with `url` on other hosts."""
+    "topk": k, "return_scores": true}), for `rollout.tool: search` with `url` on other hosts. --port 0
+    picks a free port (the log line "serving retrieval at URL" names it)."""
     from rolerl.tools.retrieval_http import serve_retriever
     from rolerl.tools.search import CACHE_DIR, BM25Retriever
 
     retriever = BM25Retriever(args.corpus, cache_dir=args.cache_dir or CACHE_DIR)
-    serve_retriever(retriever, args.host, args.port, default_k=args.k)
+    serve_retriever(
+        retriever, args.host, args.port, default_k=args.k, workers=args.workers, backlog=args.backlog
+    )
+    return 0
+
+
+def _configure_configs(p: argparse.ArgumentParser) -> None:
+    acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    acts.add_parser("list", help="each example's name and what it runs")
+    show = acts.add_parser("show", help="print an example's YAML")
+    show.add_argument("name", metavar="NAME")
+    copy = acts.add_parser("copy", help="write an example to a file to edit (default ./NAME.yaml)")
+    copy.add_argument("name", metavar="NAME")
+    copy.add_argument(
+        "dest", nargs="?", default=None, metavar="DEST", help="a file, or a directory for NAME.yaml"
+    )
+    copy.add_argument("--force", action="store_true", help="replace DEST if it exists")
+
+
+def _run_configs(args: argparse.Namespace) -> int:
+    """The example configs that ship with rolerl. Any command that takes a CONFIG takes an example's name
+    (`rolerl train voting --set run.dir=runs/voting`); a file of that name in the working directory wins."""
+    from pathlib import Path
+
+    from rolerl import configs
+
+    if args.action == "list":
+        width = max(map(len, configs.names()))
+        for name in configs.names():
+            print(f"{name:<{width}}  {configs.describe(name)}")
+        return 0
+    path = configs.path_of(args.name)
+    if path is None:
+        raise ValueError(f"no example config named {args.name!r}; the examples: {', '.join(configs.names())}")
+    if args.action == "show":
+        print(path.read_text(), end="")
+        return 0
+    dest = Path(args.dest or f"{path.stem}.yaml")
+    dest = dest / path.name if dest.is_dir() else dest
+    if dest.exists() and not args.force:
+        raise ValueError(f"{str(dest)!r} exists; pass --force to replace it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.write_text(path.read_text())
+    tmp.replace(dest)
+    print(dest)
     return 0
 
 
 def _configure_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run directories (each with metrics.jsonl), or `rolerl demo` directories (results.json: "
+                        "their before/after table and their GRPO run)")  # fmt: skip
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where report.html and the PNGs go (default: the first RUN_DIR's report/)")  # fmt: skip
 
@@ -649,7 +751,7 @@ def _run_report(args: argparse.Namespace) -> int:
     """One self-contained HTML page of one or more runs (overlaid, one colour per run), viewable offline:
     reward and accuracy, eval curves, role loss shares and adapter gradient norms, entropy, tools, gradient
     conflict, the seesaw of tool use against accuracy, each run's config and their differences; plus a PNG
-    per figure. Prints the page's path."""
+    per figure. A demo directory adds its held-out before/after table per family. Prints the page's path."""
     from rolerl.report.html import write_report
 
     print(write_report(args.runs, args.out))
@@ -693,6 +795,16 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         "demonstrations from a workflow's correct rollouts (rejection sampling), for sft",
         _configure_collect,
         _run_collect,
+    ),
+    "demos": (
+        "tool-integrated demonstrations from GSM8K's train solutions (TIR or MSARL), checked in the sandbox",
+        _configure_demos,
+        _run_demos,
+    ),
+    "configs": (
+        "the example configs shipped with rolerl: list, show, copy (any CONFIG argument takes their names)",
+        _configure_configs,
+        _run_configs,
     ),
     "report": (
         "an offline HTML report (and PNGs) of one or more runs' metrics and configs",

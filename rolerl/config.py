@@ -145,7 +145,7 @@ class TaskConfig(Section):
 
 VLLM_OPTIONS = (
     "gpu_memory_utilization", "max_loras", "max_lora_rank", "logprobs", "enforce_eager", "max_num_seqs",
-    "url", "served_model",
+    "url", "served_model", "dtype",
 )  # fmt: skip
 
 
@@ -196,8 +196,9 @@ class RolloutConfig(Section):
     # where it builds. docs/ROLLOUT.md
     pointwise: Literal["auto", "native", "torch"] = "auto"
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
-    # logprobs (processed | recompute), enforce_eager, max_num_seqs; url (a vLLM server instead of an engine
-    # in this process) and served_model (its base model's name; default: the first it lists)
+    # logprobs (processed | recompute), enforce_eager, max_num_seqs, dtype (auto | float32 | bfloat16 | float16;
+    # auto = the model's, bfloat16 for an fp32 model on a GPU); url (a vLLM server instead of an engine in this
+    # process) and served_model (its base model's name; default: the first it lists)
     vllm: dict[str, bool | int | float | str] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -213,6 +214,10 @@ class RolloutConfig(Section):
         self.require(
             self.vllm.get("logprobs", "processed") in ("processed", "recompute"),
             "vllm", "logprobs 'processed' or 'recompute'",
+        )  # fmt: skip
+        self.require(
+            self.vllm.get("dtype", "auto") in ("auto", "float32", "bfloat16", "float16"),
+            "vllm", "dtype 'auto', 'float32', 'bfloat16' or 'float16'",
         )  # fmt: skip
 
 
@@ -346,6 +351,10 @@ class TrainConfig(Section):
     # AMD CPUs, torch elsewhere (on an Intel Xeon, MKL was as fast or faster). bf16 autocast and GPUs use
     # torch's ops either way. docs/BENCHMARKS.md ("fp32 training GEMMs")
     kernels: Literal["auto", "onednn", "torch"] = "auto"
+    # under torchrun: how long a collective waits for a rank that neither answers nor dies (one that dies
+    # stops the job at once: torchrun ends the others); above the slowest rank's lead at a gather (a long
+    # rollout, rank 0 writing a checkpoint). docs/DISTRIBUTED.md ("When a rank fails")
+    dist_timeout_s: float = 1800.0
 
     @property
     def chunk_size(self) -> int | None:
@@ -371,6 +380,7 @@ class TrainConfig(Section):
         self.require(
             self.mini_batch_size is None or self.mini_batch_size >= 1, "mini_batch_size", "null or >= 1"
         )
+        self.require(self.dist_timeout_s > 0, "dist_timeout_s", "a number of seconds > 0")
 
 
 @dataclass
@@ -553,10 +563,13 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read `path` (YAML; None = defaults), apply `section.field=value` overrides, validate."""
+    """Read `path` (YAML, or the name of an example shipped with rolerl: `voting`; None = defaults), apply
+    `section.field=value` overrides, validate."""
+    from rolerl import configs
+
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = _read_yaml(Path(path))
+        loaded = _read_yaml(configs.resolve(path))
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{str(path)!r} must hold a mapping of sections; got {type(loaded).__name__}")
         data = loaded or {}
@@ -567,10 +580,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def _read_yaml(path: Path) -> Any:
     """The YAML document at `path`; a missing file, a directory or malformed YAML is a one-line error."""
+    from rolerl import configs
+
     if path.is_dir():
-        raise ConfigError(f"config {str(path)!r} is a directory; give a YAML file (e.g. configs/smoke.yaml)")
+        raise ConfigError(
+            f"config {str(path)!r} is a directory; give a YAML file or an example's name (e.g. smoke)"
+        )
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        if configs.path_of(path.name):
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; rolerl ships it as an example: give its name, "
+                f"{path.stem!r} (`rolerl configs list` shows them all)"
+            )
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist; give a YAML file or the name of an example shipped "
+            f"with rolerl ({', '.join(configs.names())})"
+        )
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

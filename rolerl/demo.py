@@ -172,6 +172,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
             results["rl_s"] = time.perf_counter() - t0
             log("5/5 evaluating after RL")
             after = run_eval("rl")
+            log_evaluations(root / "rl", {0: warm, cfg.train.steps: after}, tensorboard=cfg.run.tensorboard)
             plot_metrics(
                 root / "rl" / "metrics.jsonl",
                 root / "training.png",
@@ -201,6 +202,28 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     log(f"wrote {root}/results.json" + (f", {root}/training.png" if after is not warm else "")
         + f" ({results['total_s'] / 60:.1f} min)")  # fmt: skip
     return results
+
+
+def log_evaluations(run_dir: Path, evals: dict[int, dict[str, EvalResult]], tensorboard: bool = True) -> None:
+    """The demo's held-out evaluations as its GRPO run's `eval/*` metrics, one row per step (0: the warm
+    start), so `rolerl report` draws them: `eval/pass@1`, `eval/stderr`, `eval/examples` and
+    `eval/tool_call_rate` of the RL families (the task trained on), `eval/format/pass@1` of the format
+    families, and `eval/<family>/pass@1` of each family. The base model is not a step of this run: its
+    figures are in results.json and the report's before/after table."""
+    from rolerl.train.checkpoint import RunDir
+
+    run = RunDir(run_dir, tensorboard=tensorboard)
+    try:
+        for step, results in sorted(evals.items()):
+            rl, fmt = results["rl"], results["format"]
+            row: dict[str, float | int] = {"step": step, "eval/pass@1": rl.accuracy(), "eval/stderr": rl.stderr(),
+                                           "eval/examples": float(len(rl.examples)), "eval/tool_call_rate": rl.tool_use(),
+                                           "eval/format/pass@1": fmt.accuracy()}  # fmt: skip
+            for result in (rl, fmt):
+                row |= {f"eval/{fam}/pass@1": result.accuracy(fam) for fam in result.families()}
+            run.log(row)
+    finally:
+        run.close()
 
 
 def probe(engine, policy, settings: DemoSettings, cfg: Config) -> dict[str, float]:

@@ -34,7 +34,7 @@ def test_malformed_yaml_names_the_file_and_the_line(tmp_path, capsys):
 
 
 def test_override_that_is_not_yaml(capsys):
-    one_line_error(capsys, ["train", "configs/smoke.yaml", "--set", "train.steps=[1"],
+    one_line_error(capsys, ["train", "smoke", "--set", "train.steps=[1"],
                    "train.steps=[1", "not valid YAML")  # fmt: skip
 
 
@@ -44,22 +44,20 @@ def test_config_path_that_is_a_directory_or_missing(tmp_path, capsys):
 
 
 def test_unknown_field_and_bad_choice_name_the_field(capsys):
-    one_line_error(
-        capsys, ["train", "configs/smoke.yaml", "--set", "train.stepz=3"], "did you mean 'train.steps'"
-    )
-    one_line_error(capsys, ["train", "configs/smoke.yaml", "--set", "adapters.preset=joint"],
+    one_line_error(capsys, ["train", "smoke", "--set", "train.stepz=3"], "did you mean 'train.steps'")
+    one_line_error(capsys, ["train", "smoke", "--set", "adapters.preset=joint"],
                    "adapters.preset='joint'", "allowed")  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_on_a_cpu_only_torch(tmp_path, capsys):
-    argv = ["train", "configs/smoke.yaml", *TINY, f"run.dir={tmp_path / 'r'}", "model.device=cuda"]
+    argv = ["train", "smoke", *TINY, f"run.dir={tmp_path / 'r'}", "model.device=cuda"]
     one_line_error(capsys, argv, "model.device='cuda'", "no CUDA device")
 
 
 def test_flag_before_the_config_path_works(tmp_path, capsys):
     run = tmp_path / "run"
-    argv = ["train", "--set", f"run.dir={run}", "rollout.tool=none", *TINY[1:], "configs/smoke.yaml"]
+    argv = ["train", "--set", f"run.dir={run}", "rollout.tool=none", *TINY[1:], "smoke"]
     assert main(argv) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["run_dir"] == str(run)
     assert (run / "checkpoints" / "step_1").is_dir()
@@ -76,7 +74,7 @@ def test_repeated_set_flags_add_up(command):
 
 
 def test_an_override_without_equals_sign_says_what_an_override_looks_like(capsys):
-    one_line_error(capsys, ["train", "configs/smoke.yaml", "--set", "train.steps"], "section.field=value")
+    one_line_error(capsys, ["train", "smoke", "--set", "train.steps"], "section.field=value")
 
 
 def test_generate_help_gives_every_default():
@@ -155,6 +153,6 @@ def test_sft_row_that_is_not_a_string_names_the_file_line_and_field(tmp_path, ca
     good = {"role": "policy", "messages": [{"role": "user", "content": "hi"}]}
     bad = {"role": "policy", "messages": [{"role": "user", "content": ["hi", "there"]}]}
     data.write_text(json.dumps(good) + "\n\n" + json.dumps(good) + "\n\n" + json.dumps(bad) + "\n")
-    argv = ["sft", "configs/smoke.yaml", "--data", str(data), "--set", "model.spec=tiny:llama",
+    argv = ["sft", "smoke", "--data", str(data), "--set", "model.spec=tiny:llama",
             f"run.dir={tmp_path / 'run'}"]  # fmt: skip
     one_line_error(capsys, argv, f"{data}:5", "messages[0].content must be a string")

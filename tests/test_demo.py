@@ -9,11 +9,13 @@ import pytest
 
 from rolerl.cli import main
 
-pytestmark = pytest.mark.skipif(
+# only the demo run itself: the settings tests below need no sandbox and run everywhere
+needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the demo's Python sandbox needs root (CI runs as root)"
 )
 
 
+@needs_root
 def test_two_step_demo_on_the_tiny_model_writes_metrics_adapters_and_plot(tmp_path, capsys):
     run = tmp_path / "demo"
     args = ["demo", "--model", "tiny:llama", "--quick", "--run-dir", str(run), "--steps", "2", "--json",
@@ -23,10 +25,25 @@ def test_two_step_demo_on_the_tiny_model_writes_metrics_adapters_and_plot(tmp_pa
     assert set(results["evals"]) == {f"{s}/{g}" for s in ("base", "warm", "rl") for g in ("format", "rl")}
     assert results["evals"]["rl/rl"]["n"] == 24 and "gain" in results
     assert json.loads((run / "results.json").read_text()) == results
-    metrics = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    metrics, evals = rows[:2], rows[2:]
     assert [m["step"] for m in metrics] == [1, 2] and all("reward/mean" in m for m in metrics)
     # quick checks the update too: every row runs its forward and backward, also in groups that scored alike
     assert all(m["update/inert_frac"] == 0.0 and "entropy" in m for m in metrics)
+    # the held-out evaluations are the run's eval metrics: the warm start at step 0, after RL at the last
+    assert [e["step"] for e in evals] == [0, 2]
+    for row, stage in zip(evals, ("warm", "rl"), strict=True):
+        rl, fmt = results["evals"][f"{stage}/rl"], results["evals"][f"{stage}/format"]
+        assert row["eval/pass@1"] == rl["accuracy"] and row["eval/format/pass@1"] == fmt["accuracy"]
+        assert row["eval/examples"] == rl["n"] == 24 and row["eval/stderr"] == rl["stderr"]
+        families = {k.split("/")[1]: v for k, v in {**rl, **fmt}.items() if k.startswith("accuracy/")}
+        logged = {
+            k.split("/")[1]: v for k, v in row.items() if k.count("/") == 2 and k != "eval/format/pass@1"
+        }
+        assert logged == families
+    assert main(["report", str(run)]) == 0  # the demo directory as it is: its before/after table
+    page = (run / "report" / "report.html").read_text()
+    assert "RL families: " in page and page.count('<table class="demo">') == 2
     adapter = run / "rl" / "checkpoints" / "step_2" / "adapters" / "policy"
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
     assert (run / "sft" / "adapters" / "policy" / "adapter_config.json").exists()

@@ -26,6 +26,7 @@ from typing import Any
 from rolerl.eval.metrics import binomial_stderr, majority_correct, pass_at_k
 from rolerl.tasks.base import Example, Task
 from rolerl.types import Episode
+from rolerl.workflows.base import pooled_measures, workflow_name
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class Sample:
     tool_errors: int
     roles: dict[str, dict[str, float]]  # role -> {calls, tokens}
     turns: list[dict[str, Any]] = field(default_factory=list)  # role, prompt, completion, kinds, tools
+    measures: dict[str, list[float]] = field(default_factory=dict)  # role metric -> [sum, count]
 
 
 def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[str, Any]:
@@ -133,7 +135,7 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
     results = {
         "spec": dataclasses.asdict(spec),
         "identity": identity,
-        "metrics": summarize(samples, spec.n),
+        "metrics": summarize(samples, spec.n, workflow_name(workflow)),
         "seconds": time.perf_counter() - t0,
     }
     if out is not None:
@@ -183,9 +185,18 @@ def rollouts(
 
 
 def held_out(
-    cfg, policy, engines, task: Task, workflow, examples: Sequence[Example], step: int, dist=None
+    cfg,
+    policy,
+    engines,
+    task: Task,
+    workflow,
+    examples: Sequence[Example],
+    step: int,
+    dist=None,
+    backend=None,
 ) -> dict[str, float]:
-    """The RL loop's periodic evaluation (`cfg.eval`) through the run's own engines: `summarize`'s metrics.
+    """The RL loop's periodic evaluation (`cfg.eval`) through the run's own engines (or `backend`: the run's
+    vLLM backend, serving the adapters just synced): `summarize`'s metrics.
     Its sampling seeds are its own (`eval`, example, sample), so training's samples do not change. Under
     data parallelism (`dist`) each rank evaluates its share of the examples, seeded by their global index,
     and every rank summarises all of them."""
@@ -201,16 +212,17 @@ def held_out(
         greedy=e.temperature == 0, temperature=e.temperature or 1.0, top_p=cfg.rollout.top_p,
         max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
         tool=None if cfg.rollout.tool == "none" else cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
-        seed=cfg.run.seed, roles=role_calls(cfg, policy), ids=ids,
+        seed=cfg.run.seed, roles=role_calls(cfg, policy), ids=ids, backend=backend,
     )  # fmt: skip
     rows = [[_sample(task, ex, j, ep, policy) for j, ep in enumerate(eps)]
             for ex, eps in zip(result.examples, result.episodes, strict=True)]  # fmt: skip
     samples = [s for row in dist.interleave(rows, len(examples), 1) for s in row]  # in example order
-    return summarize(samples, e.n) | {"seconds": max(dist.gather(result.seconds))}
+    return summarize(samples, e.n, workflow_name(workflow)) | {"seconds": max(dist.gather(result.seconds))}
 
 
-def summarize(samples: Sequence[Sample], n: int) -> dict[str, float]:
-    """The metrics of `samples` (n per example, grouped by example in order)."""
+def summarize(samples: Sequence[Sample], n: int, workflow: str = "workflow") -> dict[str, float]:
+    """The metrics of `samples` (n per example, grouped by example in order); each role's own metric as the
+    step metrics name it (`workflow/<workflow>/<metric>`, pooled over the samples: docs/WORKFLOWS.md)."""
     by_example: dict[str, list[Sample]] = {}
     for s in samples:
         by_example.setdefault(s.id, []).append(s)
@@ -243,6 +255,8 @@ def summarize(samples: Sequence[Sample], n: int) -> dict[str, float]:
         mine = [s.roles[role] for s in samples if role in s.roles]
         out[f"role/{role}/calls"] = sum(m["calls"] for m in mine) / max(len(samples), 1)
         out[f"role/{role}/tokens"] = sum(m["tokens"] for m in mine) / max(len(samples), 1)
+    for metric, value in pooled_measures([s.measures for s in samples]).items():
+        out[f"workflow/{workflow}/{metric}"] = value
     return out
 
 
@@ -373,6 +387,7 @@ def _sample(task: Task, example: Example, j: int, episode: Episode, policy) -> S
         tool_errors=sum(c.error for c in calls),
         roles=roles,
         turns=turns,
+        measures={k: list(v) for k, v in episode.metadata.get("measures", {}).items()},
     )
 
 

@@ -139,7 +139,8 @@ def _hub_snapshot(repo_id: str, tried: list[str]) -> str:
 def _converted_gguf(gguf: Path, name: str) -> Path:
     """De-quantise a GGUF file once and cache it as a regular safetensors model directory."""
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    # `v2`: conversions before the special tokens were aligned (`align_special_tokens`) are not reused
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v2".encode()).hexdigest()[:10]
     target = cache_dir() / "converted" / f"{name}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -149,6 +150,7 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     _clear_quantizer(model)
+    align_special_tokens(tokenizer, model.config)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
@@ -160,6 +162,26 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
         if not (target / "config.json").is_file():
             raise
     return target
+
+
+def align_special_tokens(tokenizer, config) -> None:
+    """Give the tokenizer the BOS, EOS and pad ids the model's config read from the GGUF metadata where it
+    took others: transformers 5.17's GGUF tokenizer took SmolLM2's `<|im_start|>` (1) as EOS and had no pad
+    token, while the file says EOS = pad = `<|im_end|>` (2), so generation would stop at the wrong token."""
+    for role in ("bos", "eos", "pad"):
+        want = getattr(config, f"{role}_token_id", None)
+        if (
+            isinstance(want, int)
+            and 0 <= want < len(tokenizer)
+            and getattr(tokenizer, f"{role}_token_id") != want
+        ):
+            log.info(
+                "tokenizer %s token: %r (id %d), as the GGUF metadata says",
+                role,
+                tokenizer.convert_ids_to_tokens(want),
+                want,
+            )
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(want))
 
 
 def _clear_quantizer(model) -> None:

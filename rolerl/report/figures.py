@@ -62,10 +62,25 @@ def _panel(runs: Sequence[Run], keys: Sequence[str], title: str, patterns: Seque
     panel = Panel(title, ylabel, ylim)
     for r in runs:
         curves = [(k, label, r.points(k)) for k, label in chosen.items()]
-        panel.curves[r.name] = [
-            c for c in curves if c[2] and not (rates and any(not 0 <= v <= 1 for _, v in c[2]))
-        ]
+        panel.curves[r.name] = _merge_equal(
+            [c for c in curves if c[2] and not (rates and any(not 0 <= v <= 1 for _, v in c[2]))]
+        )
     return panel
+
+
+def _merge_equal(curves: list[tuple[str, str, Points]]) -> list[tuple[str, str, Points]]:
+    """One curve for metrics whose points are the same (the demo's reward is its accuracy; with one adapter
+    `grad_norm` is that adapter's): a second line exactly under the first would name in the legend a line
+    nobody can see. The merged curve keeps the first key and names both (`reward (mean) = accuracy`)."""
+    out: list[tuple[str, str, Points]] = []
+    for key, label, points in curves:
+        twin = next((i for i, c in enumerate(out) if c[2] == points), None)
+        if twin is None:
+            out.append((key, label, points))
+        else:
+            k, first, p = out[twin]
+            out[twin] = (k, f"{first} = {label}", p)
+    return out
 
 
 def specs(runs: Sequence[Run]) -> list[Figure]:
@@ -99,6 +114,14 @@ def specs(runs: Sequence[Run]) -> list[Figure]:
                "grad/cos/*, grad/conflict_frac/*",
                [_panel(runs, keys, "gradient cosine", [r"grad/cos/(?P<label>.+)"], "cosine", (-1.03, 1.03)),
                 _panel(runs, keys, "conflict fraction", [r"grad/conflict_frac/(?P<label>.+)"], "fraction", unit)]),
+        Figure("workflow", "Roles at work", "Each role's own metric, per step over its rollouts "
+               "(docs/WORKFLOWS.md: the aggregator's choice, the evaluator's verdicts, the workers' answers, "
+               "the coder's code...), and the malformed outputs per episode.",
+               "workflow/<name>/<metric>, workflow/<name>/malformed/<case>",
+               [_panel(runs, keys, "each role's metric", [r"workflow/[^/]+/(?P<label>[^/]+)"], "rate", unit,
+                       rates=True),
+                _panel(runs, keys, "malformed outputs", [r"workflow/[^/]+/malformed/(?P<label>.+)"],
+                       "per episode")]),
         seesaw(runs),
     ]  # fmt: skip
 

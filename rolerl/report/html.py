@@ -30,14 +30,18 @@ th { background: #f4f4f4; text-align: left; } td.num { text-align: right; font-v
 figure { margin: 0; } figure svg { max-width: 100%; height: auto; }
 .note { color: #777; font-style: italic; } code, pre { font-size: 0.9em; }
 pre { background: #f8f8f8; padding: 0.8em; overflow-x: auto; } details { margin: 0.4em 0; }
+td.down { color: #b00020; font-weight: 600; } td.up { color: #1b7a1b; }
 """
+DEMO_STAGES = {"base": "base model", "warm": "warm start", "rl": "after RL"}  # results.json's eval stages
+DEMO_GROUPS = {"rl": "RL families (trained by GRPO)", "format": "format families (taught by imitation)"}
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
     """Write OUT/report.html (atomically) and OUT/<figure>.png for the runs in `run_dirs`; OUT defaults to
-    the first run's `report/`. Returns the page's path. A path that is no run directory is a ValueError."""
+    the first run's `report/` (a demo directory's own, not its rl/'s). Returns the page's path. A path that is
+    no run directory is a ValueError."""
     runs = load_runs(run_dirs)
-    out_dir = Path(out) if out is not None else runs[0].path / "report"
+    out_dir = Path(out) if out is not None else Path(run_dirs[0]) / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     ids, names = Ids(), [r.name for r in runs]
     figures = []
@@ -55,7 +59,9 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) 
 def page(runs: Sequence[Run], figures: Sequence[Figure]) -> str:
     """The HTML document."""
     title = "rolerl report: " + ", ".join(r.name for r in runs)
-    toc = [(f.name, f.title) for f in figures] + [("configs", "Configs")]
+    demos = [r for r in runs if r.demo is not None]
+    toc = [("demo", "Before and after")] * bool(demos) + [(f.name, f.title) for f in figures]
+    toc += [("configs", "Configs")]
     index = {
         "runs": [{"name": r.name, "path": str(r.path)} for r in runs],
         "figures": {f.name: f.series for f in figures if not f.empty()},
@@ -71,6 +77,7 @@ def page(runs: Sequence[Run], figures: Sequence[Figure]) -> str:
         f"<h1>{_e(title)}</h1>",
         _runs_table(runs),
         "<nav><p>" + " · ".join(f'<a href="#{name}">{_e(text)}</a>' for name, text in toc) + "</p></nav>",
+        _demo(demos, titled=len(runs) > 1) if demos else "",
         *(_figure(f) for f in figures),
         _configs(runs),
         '<script type="application/json" id="rolerl-series">' + _json_in_html(index) + "</script>",
@@ -87,6 +94,53 @@ def _figure(f: Figure) -> str:
     return head + f"<figure>{f.svg}<figcaption>{link}</figcaption></figure></section>"
 
 
+def _demo(runs: Sequence[Run], titled: bool) -> str:
+    """A `rolerl demo`'s held-out evaluations (results.json): per family group, each family's greedy
+    accuracy at every stage and its change over RL, a fall marked as plainly as a rise."""
+    parts = ['<section id="demo"><h2>Before and after</h2><p>Held-out problems, greedy, from the demo\'s '
+             "<code>results.json</code>: the base model, the imitation warm start, and the adapters after GRPO."
+             "</p>"]  # fmt: skip
+    for run in runs:
+        evals, gain = run.demo.get("evals", {}), run.demo.get("gain")
+        if titled:
+            parts.append(f"<h3>{_e(run.name)}</h3>")
+        if gain:
+            se = gain["stderr_points"]
+            z = f", {gain['points'] / se:+.1f} SE" if se else ""
+            parts.append(f"<p><strong>RL families: {gain['points']:+.1f} points over the warm start</strong> "
+                         f"(standard error {se:.1f}{z}).</p>")  # fmt: skip
+        groups = sorted({key.split("/", 1)[1] for key in evals}, key=lambda g: (g not in DEMO_GROUPS, g))
+        for group in groups:
+            stages = {s: evals[f"{s}/{group}"] for s in DEMO_STAGES if f"{s}/{group}" in evals}
+            parts.append(f"<h4>{_e(DEMO_GROUPS.get(group, group))}</h4>" + _demo_table(stages))
+    return "\n".join(parts) + "</section>"
+
+
+def _demo_table(stages: dict[str, dict[str, float]]) -> str:
+    change = "warm" in stages and "rl" in stages
+    fams = sorted({k.split("/", 1)[1] for s in stages.values() for k in s if k.startswith("accuracy/")})
+    names = ["family", *(DEMO_STAGES[s] for s in stages), *(["change over RL"] if change else [])]
+    head = "<tr>" + "".join(f"<th>{n}</th>" for n in names) + "</tr>"
+    rows = []
+    for fam in [*fams, None]:
+        key = "accuracy" if fam is None else f"accuracy/{fam}"
+        cells = []
+        for summary in stages.values():
+            value = summary.get(key)
+            text = "" if value is None else f"{100 * value:.1f}%"
+            if fam is None and value is not None:
+                text += f" ± {100 * summary.get('stderr', 0.0):.1f} (n={int(summary.get('n', 0))})"
+            cells.append(f'<td class="num">{text}</td>')
+        if change:
+            before, after = stages["warm"].get(key), stages["rl"].get(key)
+            delta = None if before is None or after is None else 100 * (after - before)
+            css = "num" if not delta else ("num down" if delta < 0 else "num up")
+            text = "" if delta is None else f"{delta:+.1f}" if delta else "0.0"
+            cells.append(f'<td class="{css}">{text}</td>')
+        rows.append(f"<tr><td>{_e(fam or 'all')}</td>{''.join(cells)}</tr>")
+    return f'<table class="demo">{head}{"".join(rows)}</table>'
+
+
 def _runs_table(runs: Sequence[Run]) -> str:
     keys = ["reward/mean", "accuracy", "eval/pass@1"]
     head = "<tr><th>run</th><th>directory</th><th>steps</th>" + "".join(
@@ -94,7 +148,8 @@ def _runs_table(runs: Sequence[Run]) -> str:
     )
     rows = []
     for r in runs:
-        steps = [p[0] for p in r.points("step")] or [float(n + 1) for n in range(len(r.rows))]
+        trained = [row for row in r.rows if any(k != "step" and not k.startswith("eval/") for k in row)]
+        steps = [float(row.get("step", n + 1)) for n, row in enumerate(trained)]  # not the eval-only rows
         span = f"{len(steps)} ({int(min(steps))}–{int(max(steps))})" if steps else "0"
         last = [r.points(k)[-1][1] if r.points(k) else None for k in keys]
         cells = "".join(f'<td class="num">{"" if v is None else f"{v:.4g}"}</td>' for v in last)

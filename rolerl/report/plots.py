@@ -33,10 +33,15 @@ def plot_metrics(
 
     out = Path(out)
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "reward/mean" in r and "accuracy" in r]  # training steps, not eval rows
     steps = [r["step"] for r in rows]
+    reward, accuracy = [r["reward/mean"] for r in rows], [r["accuracy"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward/mean"] for r in rows], marker="o", label="reward (mean)")
-    ax.plot(steps, [r["accuracy"] for r in rows], marker="s", label="accuracy (rollouts)")
+    if reward == accuracy:  # a 0/1 reward: one line, not one hidden exactly under the other
+        ax.plot(steps, accuracy, marker="s", label="accuracy = reward (rollouts)")
+    else:
+        ax.plot(steps, reward, marker="o", label="reward (mean)")
+        ax.plot(steps, accuracy, marker="s", label="accuracy (rollouts)")
     if held_out:
         xs = sorted(held_out)
         ax.plot(xs, [held_out[x] for x in xs], "kD", markersize=8, label="held-out accuracy (greedy)")

@@ -20,6 +20,7 @@ class Run:
     rows: list[dict[str, Any]]  # metrics.jsonl, one flat dict per step
     config_text: str | None  # config.yaml as written (None: the run has none)
     config: dict[str, Any] | None  # parsed (None: missing, or not a YAML mapping)
+    demo: dict[str, Any] | None = None  # a `rolerl demo` directory's results.json (its run is rl/ or sft/)
 
     def points(self, key: str) -> list[tuple[float, float]]:
         """`(step, value)` of every row that logged `key` as a finite number (eval and gradient keys are
@@ -41,19 +42,33 @@ def load_runs(paths: Sequence[str | Path]) -> list[Run]:
     if not paths:
         raise ValueError("give at least one run directory")
     roots = [Path(p) for p in paths]
-    for root in roots:
-        if not root.is_dir():
-            raise ValueError(f"{str(root)!r} is not a run directory: no such directory")
-        if not (root / "metrics.jsonl").is_file():
-            raise ValueError(f"{str(root)!r} is not a run directory: it has no metrics.jsonl")
+    dirs = [_metrics_dir(root) for root in roots]
     from rolerl.train.checkpoint import RunDir  # imports torch: only once the paths are known to be runs
 
     runs = []
-    for root, name in zip(roots, run_names(roots), strict=True):
-        rows = RunDir(root, tensorboard=False).read_metrics()
-        text, config = _read_config(root / "config.yaml")
-        runs.append(Run(root, name, rows, text, config))
+    for root, run_dir, name in zip(roots, dirs, run_names(roots), strict=True):
+        rows = RunDir(run_dir, tensorboard=False).read_metrics()
+        text, config = _read_config(run_dir / "config.yaml")
+        demo = json.loads((root / "results.json").read_text()) if run_dir != root else None
+        runs.append(Run(run_dir, name, rows, text, config, demo))
     return runs
+
+
+def _metrics_dir(root: Path) -> Path:
+    """The directory whose metrics.jsonl a path stands for: the path itself, or for a `rolerl demo`
+    directory (results.json, no metrics of its own) its GRPO run `rl/` (`sft/` when it stopped before RL)."""
+    if not root.is_dir():
+        raise ValueError(f"{str(root)!r} is not a run directory: no such directory")
+    if (root / "metrics.jsonl").is_file():
+        return root
+    if (root / "results.json").is_file():
+        for stage in ("rl", "sft"):
+            if (root / stage / "metrics.jsonl").is_file():
+                return root / stage
+        raise ValueError(
+            f"{str(root)!r} is a demo directory without a finished stage: no rl/ or sft/ metrics"
+        )
+    raise ValueError(f"{str(root)!r} is not a run directory: it has no metrics.jsonl")
 
 
 def run_names(roots: Sequence[Path]) -> list[str]:

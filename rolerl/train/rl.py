@@ -48,7 +48,16 @@ from rolerl.train.checkpoint import (
     save_checkpoint,
 )
 from rolerl.train.credit import advantages_of, turn_rewards
-from rolerl.train.distributed import SINGLE, Dist, init_from_env
+from rolerl.train.distributed import (
+    SINGLE,
+    Dist,
+    RankFailure,
+    Terminated,
+    fault_point,
+    init_from_env,
+    sigterm_raises,
+    stopping,
+)
 from rolerl.train.distributed import close as close_dist
 from rolerl.train.monitor import ToolHealth, episode_metrics, sampled_tokens, ticker
 from rolerl.train.optim import Optimizer, lr_factor
@@ -76,20 +85,25 @@ def train(
     (tests, notebooks: `build_policy(cfg, workflow.roles)`). A fresh run refuses a `run.dir` that holds a
     run unless `overwrite`; `resume` falls back past unreadable checkpoints and restarts a run that has
     none from step 0. The lr of step s is always the schedule of `cfg` (`_lr`), so a run extended by a
-    larger `train.steps` follows the longer schedule from its next step on. Ctrl-C (or an error)
-    checkpoints the last completed step first; Ctrl-C then raises `TrainingInterrupted`. `stop_after`
-    ends the run after that step, as a kill would (no extra checkpoint). Returns the run directory.
+    larger `train.steps` follows the longer schedule from its next step on. Ctrl-C, SIGTERM (or an
+    error) checkpoints the last completed step first; Ctrl-C and SIGTERM then raise `TrainingInterrupted`.
+    `stop_after` ends the run after that step, as a kill would (no extra checkpoint). Returns the run
+    directory.
 
     Under torchrun (`WORLD_SIZE` > 1) each process is one data-parallel rank (`rolerl.train.distributed`):
     the run, its metrics and its checkpoints are those of one process on the same global batch, and rank
-    0 writes them.
+    0 writes them. A collective that fails (another rank died or hung) raises `RankFailure`, which names
+    the `--resume` command (docs/DISTRIBUTED.md "When a rank fails").
     """
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other: continue the run, or replace it")
-    dist = init_from_env(cuda=resolve_device(cfg.model.device).type == "cuda")
+    cuda = resolve_device(cfg.model.device).type == "cuda"
+    dist = init_from_env(cuda=cuda, timeout_s=cfg.train.dist_timeout_s)
     ok = False
     try:
-        out = _train(cfg, dist, task, workflow, policy, resume, overwrite, stop_after)
+        # torchrun stops the ranks left after one failed with SIGTERM
+        with sigterm_raises(keep_after_error=dist.active):
+            out = _train(cfg, dist, task, workflow, policy, resume, overwrite, stop_after)
         ok = True
         return out
     finally:
@@ -167,7 +181,9 @@ def _train(
                 metrics["lr"] = lr
                 if evaluation is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                     report("evaluating on held-out examples")
-                    scores = held_out(cfg, policy, engines, *evaluation, step, dist=dist)
+                    # through vLLM too when it samples the rollouts (it serves the adapters just synced)
+                    via = backend if cfg.rollout.backend == "vllm" else None
+                    scores = held_out(cfg, policy, engines, *evaluation, step, dist=dist, backend=via)
                     metrics |= {f"eval/{k}": v for k, v in scores.items()}
                 run.log(metrics)
                 done.complete(step, lr)
@@ -176,9 +192,23 @@ def _train(
                     _checkpoint(cfg, policy, optimizer, done, dist)
                 bar.update(step, f"reward {metrics['reward/mean']:.3f} acc {metrics['accuracy']:.2f}")
     except BaseException as e:
+        stopping()  # a SIGTERM from now on must not cut short the checkpoint below or the report
         _checkpoint_on_error(cfg, policy, optimizer, done, undo, dist)
+        if isinstance(e, RankFailure):  # say how to go on: the newest complete checkpoint is always safe
+            kept = f"step {done.saved} is checkpointed" if done.saved else "no step is checkpointed"
+            raise RankFailure(
+                f"{e}; {kept}; continue from the last complete checkpoint with rolerl train --resume "
+                f"{cfg.run.dir} (launched by torchrun, as this run was)"
+            ) from e
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingInterrupted):
-            raise TrainingInterrupted(done.step + 1, done.saved, cfg.run.dir) from e
+            why = "interrupted"
+            if isinstance(e, Terminated):  # under torchrun: another rank failed (its error says why)
+                why = "stopped by SIGTERM" + (
+                    " (torchrun sends it to the other ranks when one fails: see that rank's error)"
+                    if dist.active
+                    else ""
+                )
+            raise TrainingInterrupted(done.step + 1, done.saved, cfg.run.dir, why) from e
         raise
     finally:
         undo.close()
@@ -220,8 +250,9 @@ def _checkpoint(
             cfg.run.dir, done.step, _adapters(policy), optimizer,
             keep_last=cfg.run.keep_last, extra=extra, rng=done.rng,
         )  # fmt: skip
-    done.saved = done.step
+        done.saved = done.step
     dist.barrier()
+    done.saved = done.step  # the other ranks: only once rank 0 says the write is complete
 
 
 def _checkpoint_on_error(
@@ -331,6 +362,7 @@ def train_step(
         owned = [own[i] for i in keep] if dist.active else None
         parts = collate_parts(policy, [turns[i] for i in keep], [float(advantages[i]) for i in keep], owned)
         settings = loss_settings(cfg, policy)
+        fault_point("update", step)  # test-only: a rank killed mid-step (tests/train/test_faults.py)
         if cfg.diagnostics.grad_every and step % cfg.diagnostics.grad_every == 0:
             metrics |= role_gradients(
                 parts, settings, optimizer, cfg.train.micro_batch_size, cfg.diagnostics.grad_groups, dist

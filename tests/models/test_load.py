@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -44,12 +46,15 @@ def test_tiny_models_are_small_seeded_and_real(arch, model_type, tokenizer):
         a.config.model_type == model_type and a.config.hidden_size == 64 and a.config.num_hidden_layers == 2
     )
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-    before = torch.rand(1)  # the factory does not consume the global RNG
+    # The factory neither consumes nor reseeds the global RNG: its state is as before, and the draw after
+    # it is the draw had it not run (reseeding only before the factory, never between it and the draw).
     torch.manual_seed(0)
-    x = torch.rand(1)
+    state = torch.get_rng_state()
     tiny_model(arch, seed=1, tokenizer=tokenizer)
+    assert torch.equal(torch.get_rng_state(), state)
+    after = torch.rand(1)
     torch.manual_seed(0)
-    assert torch.equal(torch.rand(1), x) and before.shape == (1,)
+    assert torch.equal(after, torch.rand(1))
 
 
 def test_unknown_spec_names_what_was_tried(monkeypatch, tmp_path):
@@ -64,3 +69,19 @@ def test_unknown_spec_names_what_was_tried(monkeypatch, tmp_path):
         rolerl.load_model(str(tmp_path))
     with pytest.raises(ValueError, match=r"dtype='int4' is not supported; allowed: \["):
         rolerl.load_model("default", dtype="int4")
+
+
+def test_the_gguf_metadata_names_the_special_tokens(tokenizer):
+    """transformers 5.17's GGUF tokenizer took SmolLM2's `<|im_start|>` as EOS and had no pad token; the
+    model config read from the same file says EOS = pad = `<|im_end|>`: the conversion follows the file."""
+    from types import SimpleNamespace
+
+    from rolerl.models.load import align_special_tokens
+
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token, tok.pad_token = "<|im_start|>", None
+    align_special_tokens(tok, SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    align_special_tokens(tok, SimpleNamespace(bos_token_id=None, eos_token_id=10**9, pad_token_id=None))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)  # nothing to follow: unchanged

@@ -16,7 +16,7 @@ import pytest
 
 from rolerl.cli import main
 from rolerl.config import load_config
-from rolerl.report.figures import seesaw
+from rolerl.report.figures import seesaw, specs
 from rolerl.report.html import write_report
 from rolerl.report.runs import ABSENT, config_diff, load_runs, run_names
 
@@ -104,7 +104,8 @@ def test_report_of_two_runs(report):
     assert "<script src" not in page
     index = _index(page)
     assert [r["name"] for r in index["runs"]] == ["seed0/rl", "seed1/rl"]  # equal names: parent added
-    assert set(index["series"]) == _expected(["seed0_rl", "seed1_rl"])
+    # seed0's reward is its accuracy at every step (shift 0): one curve, not one hidden under the other
+    assert set(index["series"]) == _expected(["seed0_rl", "seed1_rl"]) - {"series-reward-seed0_rl-accuracy"}
     for sid in index["series"]:
         assert page.count(f'id="{sid}"') == 1, sid  # in the SVG, once
     assert set(index["figures"]) == set(FIGURES)
@@ -130,9 +131,7 @@ def test_a_figure_without_data_is_a_note_and_its_old_png_goes(tmp_path):
     path = write_report([run])  # default OUT: the run's report/
     assert path == run / "report" / "report.html"
     page = path.read_text()
-    assert set(_index(page)["series"]) == {
-        "series-reward-run-reward_mean", "series-reward-run-accuracy", "series-seesaw-run-accuracy"
-    }  # fmt: skip
+    assert set(_index(page)["series"]) == {"series-reward-run-reward_mean", "series-seesaw-run-accuracy"}
     assert "No run logged grad/cos/*, grad/conflict_frac/*." in page
     assert sorted(p.name for p in (run / "report").glob("*.png")) == ["reward.png", "seesaw.png"]
 
@@ -269,3 +268,22 @@ def test_page_in_headless_chromium(report, tmp_path):
     _, console = _open(exe, bad, tmp_path / "profile")
     assert len(console) == 1 and "https://example.com/x.png" in console[0]
     assert seconds < 30, f"Chromium took {seconds:.1f} s to load the page"
+
+
+def test_curves_that_coincide_are_drawn_once_and_named_together(tmp_path):
+    """The demo's reward is its accuracy; with one adapter the total gradient norm is that adapter's."""
+    rows = [{"step": s, "reward/mean": 0.25 * s, "accuracy": 0.25 * s, "grad_norm": 1.0 / s,
+             "adapter/policy/grad_norm": 1.0 / s} for s in (1, 2, 3)]  # fmt: skip
+    rows[1]["grad_norm"] = 0.6  # the second run differs at one step: two curves
+    a = _run(tmp_path / "a", [], [dict(r, grad_norm=1.0 / r["step"]) for r in rows])
+    b = _run(tmp_path / "b", [], rows)
+    figures = {f.name: f for f in specs(load_runs([a, b]))}
+    reward = figures["reward"].panels[0].curves
+    assert [(k, label) for k, label, _ in reward["a"]] == [
+        ("reward/mean", "reward (mean) = accuracy (rollouts)")
+    ]
+    norms = figures["roles"].panels[1].curves
+    assert [(k, label) for k, label, _ in norms["a"]] == [
+        ("adapter/policy/grad_norm", "policy = all adapters")
+    ]
+    assert [k for k, _, _ in norms["b"]] == ["adapter/policy/grad_norm", "grad_norm"]

@@ -196,7 +196,7 @@ def test_cli_train_under_torchrun(tmp_path):
     run_dir = tmp_path / "cli"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rolerl",
-           "train", str(ROOT / "configs" / "smoke.yaml"), "--set", "model.spec=tiny:llama", "model.device=cpu",
+           "train", "smoke", "--set", "model.spec=tiny:llama", "model.device=cpu",
            "train.steps=1", "rollout.max_new_tokens=6", "train.bf16=false", "run.progress=false",
            f"run.dir={run_dir}"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from rolerl.train.rl import train
 from rolerl.workflows import SingleTurn
 from tests.workflows.test_single_turn import EchoTask
 
-SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
+SMOKE = "smoke"  # the example config shipped in the package
 TINY = [
     "model.spec=tiny:llama",
     "model.device=cpu",

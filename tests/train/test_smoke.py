@@ -1,18 +1,17 @@
-"""`configs/smoke.yaml` shows the loop doing something on the real default model: rewards that vary within
+"""The `smoke` example config shows the loop doing something on the real default model: rewards that vary within
 a group, so the first step already has a nonzero loss and gradient (with the strict arithmetic task every
 reward, loss and gradient norm was 0)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from rolerl.config import load_config
 from rolerl.train.rl import train
 
-SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+SMOKE = "smoke"  # the example shipped in the package, rolerl/configs/smoke.yaml
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def test_a_run_whose_tool_cannot_start_fails_before_any_step(tmp_path, capsys, m
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     monkeypatch.delenv("ROLERL_SANDBOX_PRIVILEGE", raising=False)
     run = tmp_path / "run"
-    argv = ["train", "configs/smoke.yaml", "--set", "model.spec=tiny:llama", "task.name=synthetic",
+    argv = ["train", "smoke", "--set", "model.spec=tiny:llama", "task.name=synthetic",
             "task.workflow=tir", "rollout.tool=python", f"run.dir={run}", "run.progress=false"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
