@@ -90,6 +90,10 @@ def _expected(runs: list[str]) -> set[str]:
     return {f"series-{f}-{run}-{m}" for f in FIGURES for m in METRICS[f] for run in runs}
 
 
+# seed0's reward is its accuracy at every step (shift 0): one curve, not one hidden under the other
+TWO_RUNS_SERIES = _expected(["seed0_rl", "seed1_rl"]) - {"series-reward-seed0_rl-accuracy"}
+
+
 def _index(page: str) -> dict:
     m = re.search(r'<script type="application/json" id="rolerl-series">(.*?)</script>', page, re.S)
     assert m, "no series index in the page"
@@ -104,8 +108,7 @@ def test_report_of_two_runs(report):
     assert "<script src" not in page
     index = _index(page)
     assert [r["name"] for r in index["runs"]] == ["seed0/rl", "seed1/rl"]  # equal names: parent added
-    # seed0's reward is its accuracy at every step (shift 0): one curve, not one hidden under the other
-    assert set(index["series"]) == _expected(["seed0_rl", "seed1_rl"]) - {"series-reward-seed0_rl-accuracy"}
+    assert set(index["series"]) == TWO_RUNS_SERIES
     for sid in index["series"]:
         assert page.count(f'id="{sid}"') == 1, sid  # in the SVG, once
     assert set(index["figures"]) == set(FIGURES)
@@ -259,7 +262,7 @@ def test_page_in_headless_chromium(report, tmp_path):
     assert console == []
     parsed = _Dom(dom)
     series = json.loads(parsed.index_text)["series"]
-    assert set(series) == _expected(["seed0_rl", "seed1_rl"])
+    assert set(series) == TWO_RUNS_SERIES
     assert not set(series) - parsed.ids, "series missing from the DOM"
     assert not set(series) - parsed.drawn, "series without a drawn path"
     # the check sees a page that breaks: a copy that loads an image from the network logs a blocked load
