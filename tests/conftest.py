@@ -73,3 +73,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("vllm") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """The real Python sandbox, one per module; a test that uses it skips without root (CI runs as root), so
+    the module's tests that need no sandbox still run."""
+    if os.geteuid() != 0:
+        pytest.skip("the Python sandbox needs root (CI runs as root)")
+    from rolerl.tools.python_sandbox import PythonSandbox
+
+    with PythonSandbox() as box:
+        yield box

@@ -132,9 +132,12 @@ class VLLMBackend:
             raise ValueError(f"logprobs={logprobs!r}; allowed: 'processed', 'recompute'")
         limit = engine_max_len(llm)
         if limit is not None and max_len > limit:
-            raise ValueError(
-                f"rollout.max_len={max_len} but the vLLM engine accepts at most {limit} positions (its "
-                f"max_model_len): set rollout.max_len <= {limit}, or start vLLM with a larger --max-model-len"
+            from rolerl.config import ConfigError
+
+            raise ConfigError(
+                f"rollout.max_len={max_len} but the vLLM engine accepts at most {limit} positions (model "
+                f"{model_name!r}, its max_model_len): set rollout.max_len <= {limit}, or start vLLM (a server: "
+                "`--max-model-len`) with a larger one"
             )
         self.llm, self.tokenizer, self.api = llm, tokenizer, api or vllm_api()
         self.adapters = list(adapters)
@@ -473,8 +476,6 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
     api = None
     if url:
         from rolerl.rollout.vllm_http import API as api
-    from rolerl.config import ConfigError
-
     backends = {}
     for name, member in policy.members.items():
         specs = adapter_specs(member.model)
@@ -482,13 +483,7 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
         llm = factory(spec, cfg, max((s.rank for s in specs.values()), default=8), member.model)
         generation = getattr(member.model, "generation_config", None)
         eos = getattr(generation, "eos_token_id", None)
-        limit = engine_max_len(llm)
-        if cfg.rollout.max_len is not None and limit is not None and cfg.rollout.max_len > limit:
-            raise ConfigError(
-                f"rollout.max_len={cfg.rollout.max_len} but the vLLM {'server' if url else 'engine'} of model "
-                f"{name!r} accepts at most {limit} positions (its max_model_len): set rollout.max_len <= {limit}"
-                + (", or start the server with a larger --max-model-len" if url else "")
-            )  # fmt: skip
+        limit = engine_max_len(llm)  # a larger rollout.max_len is refused by VLLMBackend
         backends[name] = VLLMBackend(
             llm, member.tokenizer, adapters=list(specs), work_dir=Path(cfg.run.dir) / ".vllm_adapters" / name,
             tools=tools.get(name, {}), max_len=cfg.rollout.max_len or min(limit or 4096, 4096),

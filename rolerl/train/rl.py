@@ -65,6 +65,7 @@ from rolerl.train.policy import Policy, build_policy, resolve_device
 from rolerl.train.update import LossSettings, Part, Schedule, ppo_update
 from rolerl.types import Episode, Turn, collate
 from rolerl.workflows import Context, RoleCalls, Workflow, derive_seed, load_workflow
+from rolerl.workflows.base import workflow_name
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +350,7 @@ def train_step(
     credit = turn_rewards(episodes, cfg.algorithm)
     turns, rewards, keys = credit.turns, credit.rewards, credit.keys
     own = [dist.owns(e // cfg.rollout.n) for e, ep in enumerate(episodes) for _ in ep.turns]  # as `turns`
-    metrics: dict[str, float] = {"step": step} | episode_metrics(episodes, policy, _name(workflow))
+    metrics: dict[str, float] = {"step": step} | episode_metrics(episodes, policy, workflow_name(workflow))
     keep = list(range(len(turns)))
     if cfg.algorithm.filter_zero_variance and turns:
         flat = zero_variance_mask(rewards, keys)
@@ -384,10 +385,6 @@ def train_step(
     t2 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0}
     return metrics
-
-
-def _name(workflow: Workflow) -> str:
-    return getattr(workflow, "name", type(workflow).__name__.lower())
 
 
 def schedule(cfg: Config) -> Schedule:

@@ -168,3 +168,19 @@ class ModelLLM(FakeLLM):
             token = int(torch.multinomial(logp.exp(), 1, generator=generator))
             ids.append(token)
             yield token, float(logp[token])
+
+
+def patch_offline_vllm(monkeypatch, tokenizer) -> list[ModelLLM]:
+    """Make `rollout.backend: vllm` build a `ModelLLM` (generating with its own copy of the model and the
+    adapter files each sync writes) instead of vLLM's offline engine; returns the list they are put in."""
+    import rolerl.rollout.vllm_backend as vb
+
+    monkeypatch.setattr(vb, "vllm_api", lambda: API)
+    made: list[ModelLLM] = []
+
+    def offline_llm(spec, cfg, max_rank, model):
+        made.append(ModelLLM(model, tokenizer))
+        return made[-1]
+
+    monkeypatch.setattr(vb, "_offline_llm", offline_llm)
+    return made

@@ -487,18 +487,6 @@ def test_bad_requests_are_rejected(tiny):
 # ---- real tools ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    import os
-
-    if os.geteuid() != 0:
-        pytest.skip("the Python sandbox needs root (CI runs as root)")
-    from rolerl.tools.python_sandbox import PythonSandbox
-
-    with PythonSandbox() as box:
-        yield box
-
-
 def test_real_sandbox_calls_errors_and_tool_limit(tiny, sandbox):
     model, tok = tiny
     texts = [

@@ -19,7 +19,7 @@ from rolerl.rollout.engine import Engine, GenerationRequest
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.rollout.vllm_backend import VLLMBackend
 from tests.models.test_lora import randomize_adapters
-from tests.rollout.fake_vllm import API, FakeLLM
+from tests.rollout.fake_vllm import API, FakeLLM, patch_offline_vllm
 from tests.rollout.test_engine import SCRIPTS, EchoTool, prompt_ids, scripted_sampler
 
 ADAPTERS = ["reason", "tool"]
@@ -250,22 +250,13 @@ def test_training_runs_through_the_vllm_backend(tmp_path, monkeypatch, tokenizer
     """`rollout.backend: vllm` in the RL loop, vLLM replaced by a fake that generates with its own copy of
     the model and the adapter files each sync writes: every step syncs a new version, and the rollout's
     log-probs (from the files) equal the trainer's (fp32)."""
-    import rolerl.rollout.vllm_backend as vb
     from rolerl.train.checkpoint import RunDir
     from rolerl.train.rl import train
     from rolerl.workflows import SingleTurn
-    from tests.rollout.fake_vllm import ModelLLM
     from tests.train.test_rl import tiny_config
     from tests.workflows.test_single_turn import EchoTask
 
-    monkeypatch.setattr(vb, "vllm_api", lambda: API)
-    made = []
-
-    def offline_llm(spec, cfg, max_rank, model):
-        made.append(ModelLLM(model, tokenizer))
-        return made[-1]
-
-    monkeypatch.setattr(vb, "_offline_llm", offline_llm)
+    made = patch_offline_vllm(monkeypatch, tokenizer)
     task = EchoTask()
     cfg = tiny_config(tmp_path / "run", "train.steps=2", "rollout.backend=vllm")
     rows = RunDir(train(cfg, task=task, workflow=SingleTurn(task)), tensorboard=False).read_metrics()

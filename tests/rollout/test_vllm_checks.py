@@ -18,7 +18,7 @@ from rolerl.rollout.sampling import SamplingParams
 from rolerl.rollout.vllm_backend import VLLMBackend, check_vllm_config
 from rolerl.rollout.vllm_checks import check_vllm_version, parse_version, vllm_dtype
 from tests.models.test_lora import randomize_adapters
-from tests.rollout.fake_vllm import API, ModelLLM
+from tests.rollout.fake_vllm import API, ModelLLM, patch_offline_vllm
 
 
 def test_versions_before_the_greedy_logprob_fix_are_refused():
@@ -193,21 +193,13 @@ def test_http_payload_carries_every_sampling_field_and_absolute_adapter_paths(tm
 def test_evaluation_during_training_samples_through_the_vllm_backend(tmp_path, monkeypatch, tokenizer):
     """`eval.every` with `rollout.backend: vllm`: the held-out episodes go through vLLM (greedy requests
     on the synced adapter), not the built-in engine."""
-    import rolerl.rollout.vllm_backend as vb
     from rolerl.train.checkpoint import RunDir
     from rolerl.train.rl import train
     from rolerl.workflows import SingleTurn
     from tests.train.test_rl import tiny_config
     from tests.workflows.test_single_turn import EchoTask
 
-    monkeypatch.setattr(vb, "vllm_api", lambda: API)
-    made = []
-
-    def offline_llm(spec, cfg, max_rank, model):
-        made.append(ModelLLM(model, tokenizer))
-        return made[-1]
-
-    monkeypatch.setattr(vb, "_offline_llm", offline_llm)
+    made = patch_offline_vllm(monkeypatch, tokenizer)
     task = EchoTask()
     cfg = tiny_config(
         tmp_path / "run", "train.steps=2", "rollout.backend=vllm", "eval.every=1", "eval.limit=3"

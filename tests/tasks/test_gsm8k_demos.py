@@ -5,7 +5,6 @@ trained by `rolerl sft` on the tiny model."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -90,16 +89,6 @@ def write_data(root: Path, rows: list[dict], test: str | None = "") -> Path:
     if test is not None:
         (root / "gsm8k" / "test.jsonl").write_text(test)
     return root
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    if os.geteuid() != 0:
-        pytest.skip("the Python sandbox needs root (CI runs as root)")
-    from rolerl.tools.python_sandbox import PythonSandbox
-
-    with PythonSandbox() as box:
-        yield box
 
 
 def examples(tmp_path: Path, rows: list[dict]) -> tuple[MathTask, list]:

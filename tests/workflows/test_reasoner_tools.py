@@ -210,16 +210,6 @@ def test_options_and_the_tool_are_checked(tokenizer):
         asyncio.run(ReasonerTools(TASK).run(ctx, EXAMPLE))
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    if os.geteuid() != 0:
-        pytest.skip("the Python sandbox needs root (CI runs as root)")
-    from rolerl.tools.python_sandbox import PythonSandbox
-
-    with PythonSandbox() as box:
-        yield box
-
-
 def test_one_episode_through_the_real_engine_and_sandbox(tokenizer, sandbox):
     """The reasoner's call stops at `</request>` and runs nothing; two coder siblings really run (one fails,
     one prints 42); the reasoner gets 42 and answers."""

@@ -4,7 +4,6 @@ comes back with the same ids and kinds SFT trains on, the sandbox's output splic
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -18,17 +17,6 @@ from rolerl.rollout.sampling import SamplingParams
 from rolerl.tasks.synthetic import SyntheticTask, demonstration_text
 from rolerl.train.sft import demonstration_turns
 from rolerl.workflows import TIR, WORKFLOWS, Context, derive_seed
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    # the tests that run the sandbox skip here, not the module: `test_tir_needs_a_tool` needs no root
-    if os.geteuid() != 0:
-        pytest.skip("the Python sandbox needs root (CI runs as root)")
-    from rolerl.tools.python_sandbox import PythonSandbox
-
-    with PythonSandbox() as box:
-        yield box
 
 
 def scripted(scripts: dict[int, list[int]]):
