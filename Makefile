@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 # while a bare `torch` would pull a multi-GB CUDA build. GPU users install their own torch first.
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test test-all test-vllm lint format bench install install-test clean
+.PHONY: demo test test-all test-vllm lint docs docs-serve format bench install install-test clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,18 @@ lint: install-test
 	$(BIN)/ruff check rolerl tests benchmarks
 	$(BIN)/ruff format --check rolerl tests benchmarks
 
+# The docs site (mkdocs, Material theme, API pages from the docstrings) in strict mode: a broken link or
+# anchor, a page missing from the nav or an API page whose module does not resolve fails the build.
+$(VENV)/.docs: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 format: install-test
 	$(BIN)/ruff format rolerl tests benchmarks
 	$(BIN)/ruff check --fix rolerl tests benchmarks
@@ -73,4 +85,4 @@ bench: install
 	$(BIN)/python benchmarks/routed_lora.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build site *.egg-info
