@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rolerl.plugins import import_object
 from rolerl.tasks.base import Task
 from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
 from rolerl.workflows.eval_opt import EvalOpt
@@ -35,13 +35,7 @@ def load_workflow(name: str, task: Task, options: Mapping[str, Any] | None = Non
     if name in WORKFLOWS:
         factory = WORKFLOWS[name]
     elif ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(
-                f"task.workflow={name!r}: cannot import {attr!r} from {module!r} ({e})"
-            ) from None
+        factory = import_object(name, "task.workflow")
     else:
         raise ValueError(f"unknown workflow {name!r}; built-in: {sorted(WORKFLOWS)}, or package.module:Class")
     try:
