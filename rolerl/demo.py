@@ -14,14 +14,15 @@ lockstep batching), up to the wall-clock timing of tool calls (docs/RESULTS.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolerl import pipeline
 from rolerl.config import Config, load_config
 from rolerl.eval import EvalResult, by_family_table, evaluate, evaluate_groups, pooled_gain
+from rolerl.pipeline import Pipeline, write_json
 from rolerl.progress import ProgressBar
 from rolerl.report.plots import plot_metrics
 from rolerl.tasks.synthetic import PROBE_FAMILIES, SyntheticTask, format_task, rl_task
@@ -73,9 +74,10 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
     """The whole pipeline; returns (and writes to `run_dir/results.json`) every evaluation's summary."""
     from rolerl.hardware import describe
     from rolerl.rollout.engine import Engine, rollout_copy
+    from rolerl.run.engines import rollout_dtype
+    from rolerl.run.policy import build_policy
     from rolerl.tools import build_tools
-    from rolerl.train.policy import build_policy
-    from rolerl.train.rl import resolve_old_logp, rollout_dtype, train
+    from rolerl.train.rl import resolve_old_logp, train
     from rolerl.train.sft import sft
 
     t_start = time.perf_counter()
@@ -141,12 +143,11 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
                 f"(n={int(s['n'])}, tool use {100 * s['tool_use']:.0f}%, done at {result.seconds:.0f}s)")  # fmt: skip
         return out
 
-    try:
-        log("1/5 evaluating the base model (greedy)")
-        base = run_eval("base", settings.eval_base)
-        log(f"2/5 imitation warm start on {settings.demos} demonstrations x {cfg.sft.epochs} epochs")
+    pipe = Pipeline(5, log)  # numbered and timed; not resumable: the stages hand one policy along
+    stage: dict[str, dict[str, EvalResult]] = {}
+
+    def imitate() -> None:
         data = fmt.write_demonstrations(root / "demonstrations.jsonl", settings.demos, settings.seed)
-        t0 = time.perf_counter()
         sft_cfg = dataclasses.replace(
             cfg,
             run=dataclasses.replace(cfg.run, dir=str(root / "sft")),
@@ -154,24 +155,32 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         )
         # every policy kind: the warm start teaches the whole format even when RL trains only some kinds
         sft(sft_cfg, policy=policy, overwrite=True, every_kind=True)  # results.json guards a finished demo
-        results["sft_s"] = time.perf_counter() - t0
-        log("3/5 evaluating the warm start")
-        warm = run_eval("warm")
+
+    def warm_eval() -> None:
+        stage["warm"] = run_eval("warm")
         if settings.probe_k > 0:
             results["probe"] = probe(engine, policy, settings, cfg)
             log(f"  probe (candidate families, {settings.probe_n} problems, T={cfg.rollout.temperature}): "
                 f"pass@1 {100 * results['probe']['pass@1']:.1f}%, "
                 f"pass@{settings.probe_k} {100 * results['probe'][f'pass@{settings.probe_k}']:.1f}%")  # fmt: skip
+
+    rl_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(root / "rl")))
+    try:
+        pipe.run("base", "evaluating the base model (greedy)",
+                 lambda: stage.update(base=run_eval("base", settings.eval_base)))  # fmt: skip
+        pipe.run("sft", f"imitation warm start on {settings.demos} demonstrations x {cfg.sft.epochs} epochs",
+                 imitate)  # fmt: skip
+        results["sft_s"] = pipe.seconds["sft"]
+        pipe.run("warm", "evaluating the warm start", warm_eval)
+        base, warm = stage["base"], stage["warm"]
         after = warm
         if settings.rl_steps != 0:
-            log(f"4/5 GRPO on the RL families: {cfg.train.steps} steps x {cfg.train.tasks_per_step} tasks "
-                f"x {cfg.rollout.n} samples")  # fmt: skip
-            rl_cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(root / "rl")))
-            t0 = time.perf_counter()
-            train(rl_cfg, task=rl, workflow=workflow, policy=policy, overwrite=True)
-            results["rl_s"] = time.perf_counter() - t0
-            log("5/5 evaluating after RL")
-            after = run_eval("rl")
+            pipe.run("rl", f"GRPO on the RL families: {cfg.train.steps} steps x {cfg.train.tasks_per_step} "
+                     f"tasks x {cfg.rollout.n} samples",
+                     lambda: {"dir": str(train(rl_cfg, task=rl, workflow=workflow, policy=policy, overwrite=True))})  # fmt: skip
+            results["rl_s"] = pipe.seconds["rl"]
+            pipe.run("after", "evaluating after RL", lambda: stage.update(rl=run_eval("rl")))
+            after = stage["rl"]
             log_evaluations(root / "rl", {0: warm, cfg.train.steps: after}, tensorboard=cfg.run.tensorboard)
             plot_metrics(
                 root / "rl" / "metrics.jsonl",
@@ -196,9 +205,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
                 f"(quick mode is a pipeline check, not a result: see {RESULTS_DOC} for the full demo's gains)"
             )
     results["total_s"] = time.perf_counter() - t_start
-    tmp = root / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=2))
-    tmp.replace(root / "results.json")
+    write_json(root / "results.json", results)
     log(f"wrote {root}/results.json" + (f", {root}/training.png" if after is not warm else "")
         + f" ({results['total_s'] / 60:.1f} min)")  # fmt: skip
     return results
@@ -210,20 +217,14 @@ def log_evaluations(run_dir: Path, evals: dict[int, dict[str, EvalResult]], tens
     `eval/tool_call_rate` of the RL families (the task trained on), `eval/format/pass@1` of the format
     families, and `eval/<family>/pass@1` of each family. The base model is not a step of this run: its
     figures are in results.json and the report's before/after table."""
-    from rolerl.train.checkpoint import RunDir
-
-    run = RunDir(run_dir, tensorboard=tensorboard)
-    try:
-        for step, results in sorted(evals.items()):
-            rl, fmt = results["rl"], results["format"]
-            row: dict[str, float | int] = {"step": step, "eval/pass@1": rl.accuracy(), "eval/stderr": rl.stderr(),
-                                           "eval/examples": float(len(rl.examples)), "eval/tool_call_rate": rl.tool_use(),
-                                           "eval/format/pass@1": fmt.accuracy()}  # fmt: skip
-            for result in (rl, fmt):
-                row |= {f"eval/{fam}/pass@1": result.accuracy(fam) for fam in result.families()}
-            run.log(row)
-    finally:
-        run.close()
+    rows = {}
+    for step, results in evals.items():
+        rl, fmt = results["rl"], results["format"]
+        rows[step] = {"pass@1": rl.accuracy(), "stderr": rl.stderr(), "examples": float(len(rl.examples)),
+                      "tool_call_rate": rl.tool_use(), "format/pass@1": fmt.accuracy()}  # fmt: skip
+        for result in (rl, fmt):
+            rows[step] |= {f"{fam}/pass@1": result.accuracy(fam) for fam in result.families()}
+    pipeline.log_evaluations(run_dir, rows, tensorboard=tensorboard)
 
 
 def probe(engine, policy, settings: DemoSettings, cfg: Config) -> dict[str, float]:

@@ -33,7 +33,8 @@ pre { background: #f8f8f8; padding: 0.8em; overflow-x: auto; } details { margin:
 td.down { color: #b00020; font-weight: 600; } td.up { color: #1b7a1b; }
 """
 DEMO_STAGES = {"base": "base model", "warm": "warm start", "rl": "after RL"}  # results.json's eval stages
-DEMO_GROUPS = {"rl": "RL families (trained by GRPO)", "format": "format families (taught by imitation)"}
+DEMO_GROUPS = {"rl": "RL families (trained by GRPO)", "format": "format families (taught by imitation)",
+               "gsm8k": "GSM8K test set (rolerl recipe)"}  # fmt: skip
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
@@ -97,8 +98,8 @@ def _figure(f: Figure) -> str:
 def _demo(runs: Sequence[Run], titled: bool) -> str:
     """A `rolerl demo`'s held-out evaluations (results.json): per family group, each family's greedy
     accuracy at every stage and its change over RL, a fall marked as plainly as a rise."""
-    parts = ['<section id="demo"><h2>Before and after</h2><p>Held-out problems, greedy, from the demo\'s '
-             "<code>results.json</code>: the base model, the imitation warm start, and the adapters after GRPO."
+    parts = ['<section id="demo"><h2>Before and after</h2><p>Held-out problems, greedy, from the demo\'s (or '
+             "recipe\'s) <code>results.json</code>: the base model, the imitation warm start, and the adapters after GRPO."
              "</p>"]  # fmt: skip
     for run in runs:
         evals, gain = run.demo.get("evals", {}), run.demo.get("gain")
@@ -107,7 +108,8 @@ def _demo(runs: Sequence[Run], titled: bool) -> str:
         if gain:
             se = gain["stderr_points"]
             z = f", {gain['points'] / se:+.1f} SE" if se else ""
-            parts.append(f"<p><strong>RL families: {gain['points']:+.1f} points over the warm start</strong> "
+            what = gain.get("label", "RL families")  # a recipe names its test set
+            parts.append(f"<p><strong>{_e(what)}: {gain['points']:+.1f} points over the warm start</strong> "
                          f"(standard error {se:.1f}{z}).</p>")  # fmt: skip
         groups = sorted({key.split("/", 1)[1] for key in evals}, key=lambda g: (g not in DEMO_GROUPS, g))
         for group in groups:

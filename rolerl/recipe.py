@@ -1,0 +1,289 @@
+"""`rolerl recipe NAME`: a public benchmark's whole pipeline in one resumable command (issue 47).
+
+For GSM8K with a Python tool (`gsm8k-tir`) or MSARL's reasoner and coder (`gsm8k-msarl`), each stage reading
+the recipe's example config (rolerl/configs/<name>.yaml) with the flags on top:
+
+1. demonstrations from GSM8K train: the calculator annotations as sandbox-checked tool calls (`rolerl demos`);
+2. the base model on the test set (greedy pass@1): the recipe's adapters fresh, which add exactly zero;
+3. the imitation warm start on the demonstrations (`rolerl sft`);
+4. the warm start on the test set;
+5. GRPO on GSM8K train with the sandbox, from the warm start (`rolerl train`);
+6. the adapters after RL on the test set;
+7. `results.json` (the three evaluations, the gain over the warm start with its standard error, each
+   stage's wall time) and `rolerl report`'s page, with the before/after table.
+
+Everything goes under one directory (`--out`, default runs/<name>). Each finished stage leaves a marker
+(`rolerl.pipeline`), so a rerun of the same command skips what is done and goes on where it stopped: an
+evaluation continues its samples.jsonl, GRPO its newest checkpoint. The test subset (`--limit N`: the
+first N of a fixed shuffle of the 1319 problems) does not depend on `--seed`, so every seed and arm is
+measured on the same problems.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rolerl.config import Config, load_config
+from rolerl.pipeline import Log, Pipeline, log_evaluations, write_json
+
+
+@dataclass(frozen=True)
+class Recipe:
+    config: str  # the example config its stages read (`rolerl configs show NAME`)
+    demos: Literal["tir", "msarl"]  # the converter's format (`rolerl demos gsm8k --format ...`)
+    topologies: tuple[str, ...]  # the adapters.preset values it runs with (the first is the config's)
+    about: str
+
+
+RECIPES: dict[str, Recipe] = {
+    "gsm8k-tir": Recipe(
+        "gsm8k-tir", "tir", ("shared", "dart"), "tool-integrated reasoning with the Python sandbox on GSM8K"
+    ),
+    "gsm8k-msarl": Recipe(
+        "gsm8k-msarl", "msarl", ("isolated", "shared"), "MSARL's reasoner and coder agent on GSM8K"
+    ),
+}
+TASK = "gsm8k"
+TEST_SIZE = 1319  # GSM8K's test split (the default --limit: all of it)
+EVAL_SEED = 0  # the test subset's shuffle: the same problems for every --seed
+
+
+@dataclass
+class RecipeSettings:
+    """What `rolerl recipe` runs (its flags); None = the recipe config's value."""
+
+    name: str
+    out: str | None = None  # None = runs/<name>
+    seed: int = 0  # seeds the adapters, GRPO's sampling and shuffling (not the test subset)
+    model: str | None = None  # model.spec: default (SmolLM2-135M-Instruct), tiny:llama, a HF id or a path
+    topology: str | None = None  # adapters.preset, one of the recipe's `topologies`
+    steps: int | None = None  # GRPO steps; 0 = stop after the warm start
+    limit: int | None = None  # test problems; None = the whole test set
+    demos: int | None = None  # convert the first N GSM8K train rows only; None = all of them
+    data: str | None = None  # the data root holding gsm8k/{train,test}.jsonl; None = the default one
+    overrides: tuple[str, ...] = ()  # `section.field=value` for the config, applied last
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in RECIPES:
+            raise ValueError(f"unknown recipe {self.name!r}; recipes: {', '.join(sorted(RECIPES))}")
+        allowed = RECIPES[self.name].topologies
+        if self.topology is not None and self.topology not in allowed:
+            raise ValueError(f"--topology {self.topology!r}: recipe {self.name} runs {', '.join(allowed)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(
+                f"--limit {self.limit}: allowed an integer >= 1 (test problems; omit it for all {TEST_SIZE})"
+            )
+        if self.demos is not None and self.demos < 1:
+            raise ValueError(f"--demos {self.demos}: allowed an integer >= 1 (omit it for every train row)")
+        if self.steps is not None and self.steps < 0:
+            raise ValueError(f"--steps {self.steps}: allowed an integer >= 0 (0 = stop after the warm start)")
+
+    @property
+    def root(self) -> Path:
+        return Path(self.out or f"runs/{self.name}")
+
+
+def data_root(data: str | None) -> Path:
+    """The data root (or gsm8k folder) holding both splits, checked now rather than stages later."""
+    from rolerl.tasks.base import default_data_dir
+
+    root = Path(data).expanduser() if data else default_data_dir()
+    for split in ("train", "test"):
+        if not any((d / f"{split}.jsonl").is_file() for d in (root / TASK, root)):
+            where = f"--data {data}" if data else f"the default data root {root} (set ROLERL_SHARED_DATA)"
+            raise FileNotFoundError(
+                f"{where}: no {TASK}/{split}.jsonl there; give the directory that holds gsm8k/train.jsonl "
+                "and gsm8k/test.jsonl (or the gsm8k folder itself)"
+            )
+    return root
+
+
+def recipe_config(settings: RecipeSettings, *extra: str) -> Config:
+    """The recipe's config with the flags on top (the user's --set last, so it wins); `extra` go before them."""
+    flags = [f"run.seed={settings.seed}", f"run.progress={str(settings.progress).lower()}", "eval.every=0"]
+    # eval.every=0: the recipe measures the whole test set itself, before and after; --set eval.every=N adds
+    # the run's own periodic curve (on eval.limit problems)
+    flags += [f"model.spec={settings.model}"] * (settings.model is not None)
+    flags += [f"adapters.preset={settings.topology}"] * (settings.topology is not None)
+    flags += [f"train.steps={settings.steps}"] * bool(settings.steps)  # 0: no RL stage, config untouched
+    flags += [f"task.data={settings.data}"] * (settings.data is not None)
+    return load_config(RECIPES[settings.name].config, [*flags, *extra, *settings.overrides])
+
+
+def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
+    """Every stage not finished yet; returns (and writes to OUT/results.json) the evaluations' summaries."""
+    recipe, root = RECIPES[settings.name], settings.root
+    data = data_root(settings.data)
+    cfg = recipe_config(settings)  # a bad --set fails here, before any stage
+    _claim(root, settings.name)
+    rl = settings.steps != 0
+    n_test = f"{settings.limit} of the {TEST_SIZE}" if settings.limit else f"all {TEST_SIZE}"
+    pipe = Pipeline(7 if rl else 5, log, root)
+    # what each stage's outputs depend on: a rerun that changes one of them is refused at that stage
+    policy = {"model": cfg.model.spec, "topology": cfg.adapters.preset, "seed": settings.seed,
+              "overrides": list(settings.overrides), "data": str(data), "demos": settings.demos}  # fmt: skip
+    steps = {"steps": cfg.train.steps if rl else 0}
+    log(f"recipe {settings.name}: {recipe.about}; model {cfg.model.spec}, topology {cfg.adapters.preset}, "
+        f"seed {settings.seed}, into {root}")  # fmt: skip
+    rows = "every" if settings.demos is None else f"the first {settings.demos}"
+    made = pipe.run("demos", f"demonstrations ({recipe.demos}) from {rows} GSM8K train rows",
+                    lambda: _demos(recipe, root, data, settings, log), {"data": str(data), "demos": settings.demos})  # fmt: skip
+    evals: dict[str, dict[str, Any]] = {}
+    test = {"limit": settings.limit}
+    evals["base"] = pipe.run("eval-base", f"the base model on {n_test} test problems (greedy pass@1)",
+                             lambda: _eval_base(settings, root, log), policy | test)  # fmt: skip
+    pipe.run("sft", f"imitation warm start on {made.get('rows', '?')} demonstrations x {cfg.sft.epochs} epochs",
+             lambda: _imitate(settings, root), policy)  # fmt: skip
+    evals["warm"] = pipe.run("eval-warm", f"the warm start on {n_test} test problems",
+                             lambda: _eval(settings, root, "warm", root / "sft", log), policy | test)  # fmt: skip
+    if rl:
+        pipe.run("rl", f"GRPO on GSM8K train: {cfg.train.steps} steps x {cfg.train.tasks_per_step} problems x "
+                 f"{cfg.rollout.n} samples", lambda: _grpo(settings, root), policy | steps)  # fmt: skip
+        evals["rl"] = pipe.run("eval-rl", f"after RL on {n_test} test problems",
+                               lambda: _eval(settings, root, "rl", root / "rl", log), policy | steps | test)  # fmt: skip
+    results = {"recipe": settings.name, "settings": dataclasses.asdict(settings), "demos": made,
+               "evals": {f"{stage}/{TASK}": s for stage, s in evals.items()}}  # fmt: skip
+    if rl:
+        results["gain"] = _gain(evals["warm"], evals["rl"])
+    report = pipe.run("report", "results.json and the report",
+                      lambda: _report(root, results, cfg, rl), policy | steps | test)  # fmt: skip
+    results["seconds"] = dict(pipe.seconds)
+    write_json(root / "results.json", results)  # again: with the report stage's own time
+    for line in summary_lines(results):
+        log(line)
+    log(f"report: {report.get('page')}")
+    return results
+
+
+def _claim(root: Path, name: str) -> None:
+    """OUT is this recipe's own: refuse another recipe's directory, or one that holds anything else."""
+    mark = root / "recipe.json"
+    if mark.is_file():
+        found = json.loads(mark.read_text()).get("recipe")
+        if found != name:
+            raise ValueError(f"--out {root} holds recipe {found!r}, not {name!r}: choose another --out")
+        return
+    if root.exists() and any(root.iterdir()):
+        raise ValueError(
+            f"--out {root} exists and is not a recipe's directory (no recipe.json): choose another"
+        )
+    write_json(mark, {"recipe": name})
+
+
+def _demos(recipe: Recipe, root: Path, data: Path, settings: RecipeSettings, log: Log) -> dict[str, Any]:
+    from rolerl.demos import gsm8k as gsm8k_demos
+
+    out = root / "demos.jsonl"
+    report = gsm8k_demos.build(recipe.demos, out, data=data, limit=settings.demos, progress=settings.progress)
+    for line in gsm8k_demos.summary_lines(report, out, recipe.demos):
+        log("  " + line)
+    rows = sum(1 for line in out.read_text().splitlines() if line.strip())
+    return {**report.summary(), "rows": rows}
+
+
+def _eval_base(settings: RecipeSettings, root: Path, log: Log) -> dict[str, Any]:
+    """The base model as the recipe runs it: its topology's adapters fresh (LoRA's B = 0 adds exactly
+    zero), saved beside the config, so the evaluation reads the same role settings as the warm start's."""
+    from rolerl.models.adapters_io import save_adapter
+    from rolerl.models.lora import adapter_specs
+    from rolerl.run.policy import build_policy
+    from rolerl.tasks import load_task
+    from rolerl.workflows import load_workflow
+
+    cfg = recipe_config(settings)
+    workflow = load_workflow(
+        cfg.task.workflow, load_task(cfg.task.name, cfg.task.data), cfg.task.workflow_options
+    )
+    policy = build_policy(cfg, workflow.roles)
+    base = root / "base"
+    for member in policy.members.values():
+        for name in adapter_specs(member.model):
+            save_adapter(member.model, name, base / "adapters" / name)
+    (base / "config.yaml").write_text(cfg.to_yaml())
+    del policy
+    return _eval(settings, root, "base", base, log)
+
+
+def _eval(settings: RecipeSettings, root: Path, stage: str, run: Path, log: Log) -> dict[str, Any]:
+    """Greedy pass@1 of `run`'s adapters (its config: model, topology, role settings) on the test set,
+    continuing an evaluation that was cut short."""
+    from rolerl.eval.harness import EvalSpec, run_eval
+
+    cfg = recipe_config(settings)
+    out = root / "eval" / stage
+    spec = EvalSpec(
+        task=TASK, data=cfg.task.data, split="test", workflow=cfg.task.workflow,
+        workflow_options=dict(cfg.task.workflow_options), run=str(run), n=1, temperature=0.0,
+        max_new_tokens=cfg.rollout.max_new_tokens, tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
+        limit=settings.limit, seed=EVAL_SEED, out=str(out), resume=(out / "samples.jsonl").exists(),
+        max_batch=cfg.rollout.max_batch, progress=settings.progress,
+    )  # fmt: skip
+    result = run_eval(spec, log_line=lambda text: log("  " + text.replace("\n", "\n  ")))
+    m = result["metrics"]
+    return {"accuracy": m["pass@1"], "stderr": m["stderr"], "n": m["examples"], "tool_use": m["tool_call_rate"],
+            "truncated": m["truncated_rate"], "tokens": m["tokens/mean"], "seconds": result["seconds"]}  # fmt: skip
+
+
+def _imitate(settings: RecipeSettings, root: Path) -> dict[str, Any]:
+    from rolerl.train.sft import sft
+
+    cfg = recipe_config(settings, f"sft.data={root / 'demos.jsonl'}", f"run.dir={root / 'sft'}")
+    # overwrite: a warm start cut short (no marker) starts again; every policy kind, as the demo's warm start
+    return {"adapters": str(sft(cfg, overwrite=True, every_kind=True))}
+
+
+def _grpo(settings: RecipeSettings, root: Path) -> dict[str, Any]:
+    from rolerl.train.checkpoint import holds_run
+    from rolerl.train.rl import train
+
+    rl_dir = root / "rl"
+    cfg = recipe_config(settings, f"adapters.init={root / 'sft' / 'adapters'}", f"run.dir={rl_dir}")
+    train(cfg, resume=bool(holds_run(rl_dir)))  # a run cut short goes on from its newest checkpoint
+    lines = (rl_dir / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    return {k: last[k] for k in ("step", "reward/mean", "accuracy") if k in last}
+
+
+def _gain(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    from rolerl.eval import pooled_gain
+
+    gain, se = pooled_gain([(warm["accuracy"], int(warm["n"]))], [(after["accuracy"], int(after["n"]))])
+    return {"points": 100 * gain, "stderr_points": 100 * se, "label": "GSM8K test"}
+
+
+def _report(root: Path, results: dict[str, Any], cfg: Config, rl: bool) -> dict[str, Any]:
+    """results.json, the evaluations as the GRPO run's eval/* rows (step 0: the warm start), the page."""
+    from rolerl.report.html import write_report
+
+    write_json(root / "results.json", results)
+    if rl:  # once: a report stage cut short after this has written them
+        logged = {json.loads(line).get("step") for line in (root / "rl" / "metrics.jsonl").read_text().splitlines()
+                  if "eval/pass@1" in line}  # fmt: skip
+        rows = {step: {"pass@1": s["accuracy"], "stderr": s["stderr"], "examples": s["n"],
+                       "tool_call_rate": s["tool_use"]}
+                for step, s in ((0, results["evals"][f"warm/{TASK}"]), (cfg.train.steps, results["evals"][f"rl/{TASK}"]))}  # fmt: skip
+        rows = {step: row for step, row in rows.items() if step not in logged}
+        log_evaluations(root / "rl", rows, tensorboard=cfg.run.tensorboard)
+    return {"page": str(write_report([root]))}
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """The before/after table: each stage's greedy pass@1 with its standard error, and the RL gain."""
+    names = {"base": "base model", "warm": "warm start", "rl": "after RL"}
+    lines = [f"\n{results['recipe']}: GSM8K test, greedy pass@1"]
+    for key, s in results["evals"].items():
+        stage = key.split("/")[0]
+        lines.append(f"  {names[stage]:<11} {100 * s['accuracy']:5.1f}% +- {100 * s['stderr']:.1f}  (n={int(s['n'])}, "
+                     f"tool use {100 * s['tool_use']:.0f}%, {s['seconds']:.0f}s)")  # fmt: skip
+    if "gain" in results:
+        g = results["gain"]
+        z = f" ({g['points'] / g['stderr_points']:+.1f} standard errors)" if g["stderr_points"] else ""
+        lines.append(f"  RL over the warm start: {g['points']:+.1f} points{z}")
+    seconds = results.get("seconds", {})
+    lines.append("  stage wall times: " + ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items()))
+    return lines

@@ -1,0 +1,166 @@
+"""`rolerl recipe` (issue 47): each GSM8K recipe end to end on the tiny model, its rerun skipping finished
+stages, and the errors for bad input; `rolerl.pipeline`'s markers on their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from rolerl.cli import main
+from rolerl.pipeline import Pipeline
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the recipes' Python sandbox needs root (CI runs as root)"
+)
+STAGES = ["demos", "eval-base", "sft", "eval-warm", "rl", "eval-rl", "report"]
+TINY = ["--model", "tiny:llama", "--demos", "4", "--limit", "2", "--steps", "1", "--no-progress",
+        "--set", "rollout.max_new_tokens=8", "train.tasks_per_step=1", "rollout.n=2", "sft.batch_size=8",
+        "model.device=cpu", "run.tensorboard=false"]  # fmt: skip
+
+
+def lines(path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module", params=["gsm8k-tir", "gsm8k-msarl"])
+def recipe(request, tmp_path_factory, shared_data):
+    """Each recipe run once on the tiny model (4 train rows, 2 test problems, 1 GRPO step); the tests below read
+    its directory, the last one cuts it short."""
+    if os.geteuid() != 0:
+        pytest.skip("the recipes' Python sandbox needs root (CI runs as root)")
+    name = request.param
+    out = tmp_path_factory.mktemp("recipe") / name
+    argv = ["recipe", name, "--out", str(out), "--data", str(shared_data), *TINY]
+    assert main(argv) == 0
+    return name, out, argv
+
+
+def test_every_stage_leaves_its_outputs(recipe):
+    name, out, _ = recipe
+    results = json.loads((out / "results.json").read_text())
+    assert sorted(results["seconds"]) == sorted(STAGES)
+    # demonstrations: GSM8K's first 4 train rows all convert (their annotations are plain arithmetic); TIR is
+    # one row per solution, MSARL one reasoner row per solution and one coder row per computation
+    made = results["demos"]
+    assert made["kept"] == 4
+    assert (
+        made["rows"] == len(lines(out / "demos.jsonl")) == (4 if name == "gsm8k-tir" else 4 + made["calls"])
+    )
+    adapters = {"gsm8k-tir": ["policy"], "gsm8k-msarl": ["coder", "reasoner"]}[name]
+    for run in ("base", "sft", "rl/checkpoints/step_1"):
+        assert sorted(p.name for p in (out / run / "adapters").iterdir()) == adapters, run
+        assert all((out / run / "adapters" / a / "adapter_model.safetensors").is_file() for a in adapters)
+    # each evaluation: greedy, one sample of each of the same 2 test problems
+    ids = None
+    for stage in ("base", "warm", "rl"):
+        summary = results["evals"][f"{stage}/gsm8k"]
+        samples = [json.loads(line) for line in lines(out / "eval" / stage / "samples.jsonl")]
+        assert summary["n"] == len(samples) == 2 and {s["sample"] for s in samples} == {0}
+        assert summary["accuracy"] == sum(s["correct"] for s in samples) / 2
+        assert ids in (None, [s["id"] for s in samples]) and all("/test/" in s["id"] for s in samples)
+        ids = [s["id"] for s in samples]
+    warm, after = (results["evals"][f"{s}/gsm8k"]["accuracy"] for s in ("warm", "rl"))
+    assert results["gain"]["points"] == pytest.approx(100 * (after - warm))
+    # the GRPO run: one step, then the recipe's evaluations as its eval rows (0: the warm start)
+    rows = [json.loads(line) for line in lines(out / "rl" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 0, 1] and "reward/mean" in rows[0]
+    assert [r["eval/pass@1"] for r in rows[1:]] == [warm, after]
+    page = (out / "report" / "report.html").read_text()
+    assert "GSM8K test set" in page and "GSM8K test: " in page  # the before/after table and the gain
+
+
+def test_a_rerun_skips_every_finished_stage(recipe, capsys):
+    name, out, argv = recipe
+    before = json.loads((out / "results.json").read_text())
+    marks = {s: (out / "stages" / f"{s}.json").stat().st_mtime_ns for s in STAGES}
+    t0 = time.perf_counter()
+    assert main([*argv, "--json"]) == 0
+    seconds = time.perf_counter() - t0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["evals"] == before["evals"]
+    assert captured.err.count("done already") == len(STAGES)
+    assert {s: (out / "stages" / f"{s}.json").stat().st_mtime_ns for s in STAGES} == marks
+    assert seconds < 5, "nothing is loaded or run again"
+    assert len(lines(out / "rl" / "metrics.jsonl")) == 3
+    # the same directory with other flags: refused at the first stage they change, naming the flag
+    assert main([*argv, "--limit", "3"]) == 2
+    assert "stage 'eval-base' finished with limit=2 (now 3)" in capsys.readouterr().err
+    other = "gsm8k-msarl" if name == "gsm8k-tir" else "gsm8k-tir"
+    assert main(["recipe", other, *argv[2:]]) == 2
+    assert f"holds recipe {name!r}" in capsys.readouterr().err
+
+
+def test_a_stage_cut_short_continues_where_it_stopped(recipe, capsys, caplog):
+    _, out, argv = recipe
+    # as if killed after GRPO's last checkpoint but before its marker, midway through the evaluation after
+    for stage in ("rl", "eval-rl", "report"):
+        (out / "stages" / f"{stage}.json").unlink()
+    samples = out / "eval" / "rl" / "samples.jsonl"
+    first = lines(samples)
+    samples.write_text(first[0] + "\n")  # one of its two samples was written
+    assert main(argv) == 0
+    assert capsys.readouterr().out.count("done already") == 4
+    assert "the checkpoint is at step 1, train.steps=1: nothing to train" in caplog.text  # GRPO resumed
+    assert lines(samples) == first  # the missing sample only, the same one (greedy)
+    rows = [json.loads(line) for line in lines(out / "rl" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 0, 1], "no step trained again, no evaluation row twice"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nope"], "unknown recipe 'nope'; recipes: gsm8k-msarl, gsm8k-tir"),
+        (["gsm8k-tir", "--limit", "0"], "--limit 0: allowed an integer >= 1"),
+        (["gsm8k-tir", "--demos", "0"], "--demos 0: allowed an integer >= 1"),
+        (["gsm8k-tir", "--steps", "-1"], "--steps -1: allowed an integer >= 0"),
+        (
+            ["gsm8k-tir", "--topology", "isolated"],
+            "--topology 'isolated': recipe gsm8k-tir runs shared, dart",
+        ),
+        (["gsm8k-tir", "--data", "{missing}"], "no gsm8k/train.jsonl there"),
+        (["gsm8k-tir", "--set", "rollout.n=0"], "rollout.n"),
+    ],
+)
+def test_bad_input_is_one_clear_line_before_anything_runs(args, message, tmp_path, shared_data, capsys):
+    out = tmp_path / "out"
+    args = [a.replace("{missing}", str(tmp_path / "no-data")) for a in args]
+    argv = ["recipe", *args, "--out", str(out)]
+    assert main(argv if "--data" in args else [*argv, "--data", str(shared_data)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rolerl recipe: error: ") and message in err and "Traceback" not in err
+    assert not out.exists(), "nothing was written"
+
+
+def test_pipeline_markers_skip_finished_stages_and_refuse_changed_inputs(tmp_path):
+    calls: list[str] = []
+
+    def stage(name: str, fail: bool = False):
+        def fn():
+            calls.append(name)
+            if fail:
+                raise RuntimeError("killed")
+            return {"value": len(calls)}
+
+        return fn
+
+    log: list[str] = []
+    pipe = Pipeline(2, log.append, tmp_path)
+    assert pipe.run("a", "first", stage("a"), {"limit": 2, "tags": ("x",)}) == {"value": 1}
+    with pytest.raises(RuntimeError):
+        pipe.run("b", "second", stage("b", fail=True))
+    assert log == ["1/2 first", "2/2 second"] and not (tmp_path / "stages" / "b.json").exists()
+    again = Pipeline(2, log.append, tmp_path)
+    assert again.run("a", "first", stage("a"), {"limit": 2, "tags": ("x",)}) == {"value": 1}  # the marker's
+    assert again.run("b", "second", stage("b")) == {"value": 3}
+    assert (
+        calls == ["a", "b", "b"] and again.skipped == ["a"] and log[2].startswith("1/2 first: done already")
+    )
+    with pytest.raises(ValueError, match=r"stage 'a' finished with limit=2 \(now 3\)"):
+        Pipeline(2, log.append, tmp_path).run("a", "first", stage("a"), {"limit": 3, "tags": ("x",)})
+    plain = Pipeline(1, log.append)  # no root: nothing is marked, every run runs
+    plain.run("a", "first", stage("a"))
+    plain.run("a", "first", stage("a"))
+    assert calls[-2:] == ["a", "a"] and set(plain.seconds) == {"a"}
