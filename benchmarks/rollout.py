@@ -29,6 +29,7 @@ its LM head (tied to the embeddings on the default model) on a packed copy inste
     python benchmarks/rollout.py --json                                   # cases 1-2 (~20 min on 2 cores)
     python benchmarks/rollout.py --dtypes bfloat16 --batches 32 --runs 3  # one cell
     python benchmarks/rollout.py --json --cases long                      # case 3 (~40 min on 2 cores)
+    python benchmarks/rollout.py --json --cases vllm --batches 32 64      # vLLM's columns (rollout_vllm.py)
 The last line with --json is one JSON object.
 """
 
@@ -281,7 +282,16 @@ def main() -> None:
     p.add_argument("--rows", nargs="+", default=["base", "lora"], choices=["base", "lora", "policy"])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", nargs="+", default=["fixed", "tools"], choices=["fixed", "tools", "long"])
+    p.add_argument(
+        "--cases", nargs="+", default=["fixed", "tools"], choices=["fixed", "tools", "long", "vllm"]
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-vllm/bin/python"
+        ),
+        help="the interpreter vLLM's side runs in (case vllm: benchmarks/rollout_vllm.py)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="rounds of both sides per cell, alternating")
     p.add_argument("--long-runs", type=int, default=1, help="timed runs per side in case 3")
     p.add_argument(
@@ -415,6 +425,11 @@ def main() -> None:
             for new in (512, 1024):
                 cell(f"{dtype}/long{new}/b32", "base", dtype, 32, [*long, "--new-tokens", str(new)])
             cell(f"{dtype}/eos1024/b32", "base", dtype, 32, [*long, "--new-tokens", "1024", "--eos"])
+    if "vllm" in args.cases:  # vLLM's CPU build beside the built-in engine (benchmarks/rollout_vllm.py)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from rollout_vllm import compare
+
+        summary |= compare(args, run)
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=1))
 
 

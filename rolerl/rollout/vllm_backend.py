@@ -13,6 +13,13 @@ vLLM *segments*, each a request whose prompt is every id so far:
   including the re-read prefix, is computed with that segment's adapter, so the rollout's log-probs are
   not the true routing's: the trainer recomputes them (`algorithm.old_logp: recompute`, required) and
   truncated importance sampling (`algorithm.tis_cap`) corrects the rest;
+- each segment is its own request, sent when its episode is ready and awaited on its own (`llm.submit`:
+  vLLM's `AsyncLLM` in this process, rolerl.rollout.vllm_async, or a server over HTTP), so every episode
+  advances at its own pace, as the built-in engine's rows do: one episode's tool runs while the others
+  still generate. An engine with only `generate` (vLLM's `LLM`, the fakes) gets the segments queued at
+  that moment as one batch, which returns when its slowest segment is done. Each request carries its own
+  seed (`_segment_seed`: the call's seed and where the segment starts), so neither path's tokens depend
+  on which other requests share a batch;
 - log-probs are the sampled token's, looked up by id, in vLLM's processed mode (after temperature), i.e.
   `log_softmax(logits / T)`, what the trainer computes. With top-p/top-k vLLM renormalises over the kept
   set, which the trainer does not: that combination is refused unless the trainer recomputes.
@@ -100,7 +107,8 @@ class AdapterVersion:
 
 
 class VLLMBackend:
-    """A `RolloutBackend` over a vLLM `LLM` (offline engine in this process) serving one base model.
+    """A `RolloutBackend` over a vLLM engine serving one base model: `AsyncEngine` (vLLM's `AsyncLLM` in
+    this process), `ServerLLM` (a server over HTTP) or vLLM's batch `LLM`.
 
     `adapters`: the model's adapter names in route order (route r = `adapters[r]`, -1 = the base model).
     `logprobs`: `processed` (the rollout's log-probs are the trainer's, top-p/top-k refused) or `recompute`
@@ -132,7 +140,7 @@ class VLLMBackend:
             raise ValueError(f"logprobs={logprobs!r}; allowed: 'processed', 'recompute'")
         limit = engine_max_len(llm)
         if limit is not None and max_len > limit:
-            from rolerl.config import ConfigError
+            from rolerl.errors import ConfigError
 
             raise ConfigError(
                 f"rollout.max_len={max_len} but the vLLM engine accepts at most {limit} positions (model "
@@ -303,11 +311,15 @@ class VLLMBackend:
         try:
             prompt = self.api.TokensPrompt(prompt_token_ids=list(rec.ids))
             lora = self._lora_request(version) if version is not None else None
-            future = asyncio.get_running_loop().create_future()
-            self._queue.append((prompt, self.sampling_params(rec), lora, future))
-            if self._pump is None or self._pump.done():
-                self._pump = asyncio.create_task(self._drain())
-            output = await future
+            submit = getattr(self.llm, "submit", None)
+            if submit is not None:  # per request (AsyncLLM, a server): this episode advances on its own
+                output = await asyncio.wrap_future(submit(prompt, self.sampling_params(rec), lora))
+            else:  # `LLM.generate`: batches, each done when its slowest segment is
+                future = asyncio.get_running_loop().create_future()
+                self._queue.append((prompt, self.sampling_params(rec), lora, future))
+                if self._pump is None or self._pump.done():
+                    self._pump = asyncio.create_task(self._drain())
+                output = await future
         finally:
             if version is not None:
                 version.in_flight -= 1
@@ -468,7 +480,7 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
     check_vllm_config(cfg, policy)
     url = cfg.rollout.vllm.get("url")
     if url and len(policy.members) > 1:
-        from rolerl.config import ConfigError
+        from rolerl.errors import ConfigError
 
         raise ConfigError(f"rollout.vllm.url={url!r} serves one model; models {list(policy.members)} need one "
                           "server each, which is not supported yet: use the offline engine (no url)")  # fmt: skip
@@ -503,7 +515,9 @@ def _server_llm(spec: str, cfg, max_rank: int, model=None):
 
 
 def _offline_llm(spec: str, cfg, max_rank: int, model=None):
-    """vLLM's offline engine for the model `spec` names, sharing the GPU with the trainer."""
+    """vLLM's offline engine for the model `spec` names, sharing the GPU with the trainer: its `AsyncLLM`
+    in this process (segments finish one by one, rolerl.rollout.vllm_async), its core in a process of its
+    own."""
     from rolerl.models.load import _resolve_to_directory
 
     if spec.startswith("tiny:"):
@@ -513,18 +527,20 @@ def _offline_llm(spec: str, cfg, max_rank: int, model=None):
     directory = _resolve_to_directory(spec)  # the default GGUF model: its converted safetensors directory
     try:
         import vllm
-        from vllm import LLM
     except ImportError as e:
         raise ImportError(
             "rollout.backend=vllm needs vLLM: pip install 'rolerl[vllm]' (docs/ROLLOUT.md)"
         ) from e
     check_vllm_version(vllm.__version__, "this process")
+    from rolerl.rollout.vllm_async import AsyncEngine
+
     options = {k: v for k, v in cfg.rollout.vllm.items() if k not in ("logprobs", "url", "served_model")}
     device = next(model.parameters()).device.type if model is not None else "cuda"
     dtype = vllm_dtype(str(options.pop("dtype", "auto")), next(model.parameters()).dtype if model is not None
                        else getattr(torch, cfg.model.dtype, torch.float32), device)  # fmt: skip
-    return LLM(
-        model=str(directory), dtype=dtype, seed=cfg.run.seed, enable_lora=True,
+    # vLLM's async engine, not `LLM`: each segment finishes on its own (vllm_async.py says why)
+    return AsyncEngine(
+        model=str(directory), dtype=dtype, seed=cfg.run.seed, enable_lora=True, disable_log_stats=True,
         max_lora_rank=int(options.pop("max_lora_rank", max(8, 2 ** math.ceil(math.log2(max_rank))))),
         max_loras=int(options.pop("max_loras", _versions_in_flight(model))), gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.5)),
         max_model_len=cfg.rollout.max_len, logprobs_mode="processed_logprobs", **options,

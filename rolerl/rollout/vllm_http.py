@@ -15,6 +15,8 @@ backend's logic (segments, the recorder, adapter versions, the probe check) is t
   absolute, so a server on the same machine or on a shared filesystem mounted at the same path finds them
   (a remote server without one would need another transport, which is not built). Unloading drops the
   name; vLLM keeps the weights in its CPU LoRA cache until a newer adapter evicts them;
+- each segment is one request, sent as soon as its episode is ready (`submit`, at most `workers` in
+  flight, the rest queued here): episodes advance on their own, a tool call runs while others generate;
 - `GET /v1/models` lists what is served (the base model and every loaded LoRA) and the server's
   `max_model_len`; `GET /version` its vLLM version (checked against `vllm_checks.MIN_VLLM`).
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,11 +106,16 @@ class ServerLLM:
 
     # ---- the offline LLM's surface ----------------------------------------------------------------------
 
+    def submit(self, prompt, sampling_params, lora_request=None) -> Future:
+        """Send one completion request now (at most `workers` in flight; the rest queue here); the future
+        holds its output. The backend awaits each on its own, so an episode's tool call runs while other
+        episodes' requests still generate."""
+        return self.pool.submit(self._complete, prompt.prompt_token_ids, sampling_params, lora_request)
+
     def generate(self, prompts, sampling_params, lora_request=None, use_tqdm: bool = False) -> list[Any]:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        jobs = [self.pool.submit(self._complete, p.prompt_token_ids, s, r)
-                for p, s, r in zip(prompts, params, loras, strict=True)]  # fmt: skip
+        jobs = [self.submit(p, s, r) for p, s, r in zip(prompts, params, loras, strict=True)]
         return [job.result() for job in jobs]
 
     def add_lora(self, req) -> bool:

@@ -57,7 +57,7 @@ def test_fp32_on_a_gpu_and_unknown_dtypes_are_refused():
 
 
 def _check(*sets, device: str = "cpu"):
-    from rolerl.train.policy import build_policy
+    from rolerl.run.policy import build_policy
 
     cfg = load_config(None, ["model.spec=tiny:llama", "rollout.backend=vllm", *sets])
     policy = build_policy(cfg, ["policy"])
@@ -211,3 +211,45 @@ def test_evaluation_during_training_samples_through_the_vllm_backend(tmp_path, m
     assert len(greedy) == 2 * 3  # every evaluation's calls, through vLLM
     # each evaluation on the adapter version synced after that step's update
     assert [lora.lora_name.split(".")[0] for _, lora in greedy] == ["policy@v2"] * 3 + ["policy@v3"] * 3
+
+
+@pytest.mark.parametrize(
+    ("device", "installed", "url", "want"),
+    [
+        ("cpu", True, None, "lockstep"),  # measured: the built-in engine is faster on CPU
+        ("cpu", False, None, "lockstep"),
+        ("cuda", True, None, "vllm"),
+        ("cuda", False, None, "lockstep"),  # no vLLM to use
+        ("cpu", False, "http://gpu:8000", "vllm"),  # a server URL is an explicit choice
+    ],
+)
+def test_auto_backend_picks_vllm_on_a_gpu_with_vllm_and_the_built_in_engine_elsewhere(
+    monkeypatch, device, installed, url, want
+):
+    import rolerl.rollout.vllm_checks as checks
+
+    monkeypatch.setattr(checks, "vllm_installed", lambda: installed)
+    sets = ["rollout.backend=auto", *([f"rollout.vllm={{url: '{url}'}}"] if url else [])]
+    cfg = load_config(None, sets)
+    policy = type("FakePolicy", (), {"device": torch.device(device)})()
+    resolved, why = checks.resolve_backend(cfg, policy)
+    assert resolved.rollout.backend == want and why.startswith(f"rollout.backend=auto -> {want}: ")
+    assert cfg.rollout.backend == "auto"  # the given config is left as it was (a resume resolves again)
+    explicit = load_config(None, ["rollout.backend=lockstep"])
+    assert checks.resolve_backend(explicit, policy)[0] is explicit
+
+
+def test_auto_backend_resolves_inside_old_logp_resolution(monkeypatch):
+    """`algorithm.old_logp: auto` sees the backend `auto` resolves to: vLLM's kernels -> recompute."""
+    import rolerl.rollout.vllm_checks as checks
+    from rolerl.train.rl import resolve_old_logp
+
+    monkeypatch.setattr(checks, "vllm_installed", lambda: True)
+    model, tok = rolerl.tiny_model("llama", seed=0)
+    policy = type("FakePolicy", (), {"device": torch.device("cuda"), "bf16": False,
+                                     "members": {"main": type("M", (), {"model": model})()}})()  # fmt: skip
+    cfg = load_config(None, ["rollout.backend=auto", "algorithm.old_logp=auto"])
+    resolved, why = resolve_old_logp(cfg, policy)
+    assert resolved.algorithm.old_logp == "recompute" and "vLLM" in why
+    policy.device = torch.device("cpu")
+    assert resolve_old_logp(cfg, policy)[0].algorithm.old_logp == "rollout"

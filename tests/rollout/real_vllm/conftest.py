@@ -50,7 +50,8 @@ def vllm_config(run_dir, *sets: str):
 
 @pytest.fixture(scope="session")
 def offline_engine(default_model_cpu, tmp_path_factory):
-    """vLLM's offline `LLM`, built by rolerl's own `_offline_llm` (fp32 on CPU, processed log-probs)."""
+    """vLLM's offline engine (its `AsyncLLM`), built by rolerl's own `_offline_llm` (fp32 on CPU, processed
+    log-probs)."""
     from rolerl.rollout.vllm_backend import _offline_llm
 
     cfg = vllm_config(tmp_path_factory.mktemp("offline"))
@@ -58,7 +59,7 @@ def offline_engine(default_model_cpu, tmp_path_factory):
     llm = _offline_llm("default", cfg, 8, default_model_cpu[0])
     REPORT.append(f"offline LLM start-up {time.perf_counter() - t0:.1f} s")
     yield llm
-    llm.llm_engine.engine_core.shutdown()  # the engine-core process it spawned
+    llm.shutdown()  # the engine-core process it spawned, and its loop thread
 
 
 def _drop_loras(llm) -> None:

@@ -80,10 +80,19 @@ class Recording:
     def generate(self, prompts, sampling_params, lora_request=None, use_tqdm=False):
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         for p, s, r in zip(prompts, sampling_params, loras, strict=True):
-            if s.prompt_logprobs is None:  # a segment, not a sync's probe
-                ids = p["prompt_token_ids"] if isinstance(p, dict) else p.prompt_token_ids  # vLLM's: a dict
-                self.segments.append((list(ids), None if r is None else r.lora_name))
+            self._record(p, s, r)
         return self.llm.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+
+    def submit(self, prompt, sampling_params, lora_request=None):
+        self._record(prompt, sampling_params, lora_request)
+        return self.llm.submit(prompt, sampling_params, lora_request)
+
+    def _record(self, prompt, params, lora) -> None:
+        if params.prompt_logprobs is None:  # a segment, not a sync's probe
+            ids = (
+                prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt.prompt_token_ids
+            )  # vLLM's: a dict
+            self.segments.append((list(ids), None if lora is None else lora.lora_name))
 
 
 def requests(tok, route_of, n: int = 8, max_new_tokens: int = 48) -> list[GenerationRequest]:
