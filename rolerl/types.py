@@ -55,6 +55,11 @@ class Turn:
     # sibling group: the calls of one episode with the same `group` (n samples of one request) form an
     # advantage group of their own, each call counted once, instead of `algorithm.group_key`'s group
     group: Hashable | None = None
+    # One per completion token: the version of the adapter that sampled it (that adapter's optimizer step
+    # count when the engine held its weights; the adapter is the route of the position predicting the
+    # token). Forced tokens (tool output) and base-routed ones get -1. Empty = unknown (a Turn written
+    # before versions were recorded): read as version 0 (`version_list`).
+    versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n, m = len(self.completion_ids), len(self.prompt_ids) + len(self.completion_ids)
@@ -62,6 +67,10 @@ class Turn:
             raise ValueError(
                 f"Turn lengths disagree: {n} completion ids, {len(self.kinds)} kinds, {len(self.logprobs)} "
                 f"logprobs (need {n}); {len(self.routes)} routes (need {m}, one per prompt+completion id)"
+            )
+        if self.versions and len(self.versions) != n:
+            raise ValueError(
+                f"Turn has {len(self.versions)} versions for {n} completion ids (need {n} or none)"
             )
         bad = set(self.kinds) - set(KINDS)
         if bad:
@@ -81,6 +90,10 @@ class Turn:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
+    def version_list(self) -> list[int]:
+        """One version per completion token; 0 for every token of a Turn that recorded none."""
+        return list(self.versions) if self.versions else [0] * len(self.completion_ids)
+
     def check_routes(self, route_of: Mapping[str, int] | None = None) -> None:
         """Raise unless `routes == shift(all_kinds, route_of)`. Without `route_of`, the table is read off
         the stored routes (the route of the first position predicting each kind) and must be consistent."""
@@ -96,6 +109,23 @@ class Turn:
                 f"Turn(role={self.role!r}) stores route {self.routes[p]} at position {p} but shift() gives "
                 f"{expected[p]} (predicting a {kinds[min(p + 1, len(kinds) - 1)]!r} token)"
             )
+
+
+def versions_to_runs(versions: Sequence[int]) -> list[list[int]]:
+    """`[[version, count], ...]`: per-token versions run-length encoded for files (a turn's tokens mostly
+    share one version: one pair per turn, two for a turn sampled across a weight sync)."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(v), 1])
+    return runs
+
+
+def runs_to_versions(runs: Sequence[Sequence[int]] | None) -> list[int]:
+    """The inverse of `versions_to_runs`; None (a file written before versions) gives [] (unknown)."""
+    return [int(v) for v, count in runs or () for _ in range(int(count))]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from rolerl.rollout.decoder import LeanDecoder, lean_support
 from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_batch, make_layout
 from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention, resolve_pointwise
 from rolerl.rollout.packed import PACKED, PackedLinears, checked_tied_head, resolve_kernels
-from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
+from rolerl.rollout.recorder import AdapterVersion, GenerationRequest, Recorder, run_tool
 from rolerl.rollout.sampling import Sampler
 from rolerl.tools.base import Tool
 from rolerl.types import Turn
@@ -158,6 +158,9 @@ class Engine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.cache: KVCache | None = None
         self.active: list[_Row] = []  # row i lives in cache slot i
+        # route index -> the version of that adapter in the weights sampled from (each token records its
+        # own: `Turn.versions`); set by the trainer (`rolerl.train.pipeline`), empty = every version 0
+        self.versions: list[int] = []
         self.waiting: deque[_Row] = deque()
         self._next_handle = 0
         self.stats = {"forward_s": 0.0, "sample_s": 0.0, "steps": 0, "decode_rows": 0, "tool_calls": 0}
@@ -271,9 +274,19 @@ class Engine:
         if self.packed is not None:
             self.packed.drop()
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, version: AdapterVersion | None = None) -> dict[str, float]:
         """Copy the trainer's adapter weights into this engine's copy of the model (cast to its dtype);
-        nothing when the engine samples from the trainer's own model."""
+        nothing when the engine samples from the trainer's own model. With a `version` (asynchronous
+        training), copy that version's changed adapters instead and record its versions on every token
+        sampled from now on; the packed copies are dropped so the next forward packs the new adapters."""
+        if version is not None and self.source is not None:
+            self.sleep()
+            mine = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, t in version.tensors.get(self.source, {}).items():
+                    mine[name].copy_(t)
+            self.versions = list(version.versions.get(self.source, []))
+            return {}
         if self.source is None:
             return {}
         mine = dict(self.model.named_parameters())
@@ -492,7 +505,7 @@ class Engine:
 
     def _accept(self, row: _Row, token: int, logp: float) -> None:
         """Record one sampled token and decide what the row does next: feed it, or wait on its tool."""
-        body = row.accept(token, logp)
+        body = row.accept(token, logp, self.versions)
         if row.finish:
             return
         if body is not None:

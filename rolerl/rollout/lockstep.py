@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Mapping
 from typing import TypeVar
 
 from rolerl.rollout.engine import Engine
-from rolerl.rollout.recorder import GenerationRequest
+from rolerl.rollout.recorder import AdapterVersion, GenerationRequest
 from rolerl.types import Turn
 
 T = TypeVar("T")
@@ -87,10 +87,12 @@ class LockstepBackend:
             engine.sleep()
 
     def sync(self, policy) -> dict[str, float]:
-        """Engines with their own copy of the weights (`rollout.dtype`) take the new adapters."""
+        """Engines with their own copy of the weights (`rollout.dtype`, asynchronous training) take the new
+        adapters: the trainer's, or those of an `AdapterVersion`."""
         out: dict[str, float] = {}
+        version = policy if isinstance(policy, AdapterVersion) else None
         for engine in self.engines.values():
-            out |= engine.sync()
+            out |= engine.sync(version)
         return out
 
     def close(self) -> None:

@@ -50,6 +50,19 @@ class GenerationRequest:
             raise ValueError("prompt_ids must not be empty")
 
 
+@dataclass
+class AdapterVersion:
+    """One version of the trained adapters, for a backend to `sync` to instead of the trainer's live weights
+    (asynchronous training: the trainer has moved on while the engine samples an older version).
+    `tensors[model]` holds the `lora_` parameters (by name) of the adapters that changed since the
+    version before; `versions[model][route]` every adapter's optimizer step count. Keyed by the trainer's
+    model objects (an engine's `source`)."""
+
+    step: int  # the training step after which these weights were taken
+    tensors: dict[object, dict[str, object]]
+    versions: dict[object, list[int]]
+
+
 class Recorder:
     """One model call being generated: its ids, kinds, log-probs, tool calls and finish reason.
 
@@ -67,6 +80,7 @@ class Recorder:
         self.ids: list[int] = list(req.prompt_ids)
         self.kinds: list[str] = [PROMPT] * len(req.prompt_ids)  # one per position
         self.logprobs: list[float] = []  # one per completion position (NaN for forced tool output)
+        self.versions: list[int] = []  # one per completion position: the sampling adapter's version (`Turn`)
         self.sampled = 0  # sampled tokens so far (the sampler's counter)
         self.tail = b""  # recent completion bytes, for stop strings
         self.tool_calls: list[ToolCall] = []
@@ -83,11 +97,14 @@ class Recorder:
         """The route of the position that predicts the next token: the adapter of its kind."""
         return self.route(self.sm.kind_of_next())
 
-    def accept(self, token: int, logp: float) -> str | None:
+    def accept(self, token: int, logp: float, versions: Sequence[int] = ()) -> str | None:
         """Record one sampled token. Returns the body of the tool call it closed (run the request's tool
         and `splice` the result), else None; sets `finish` when the call ends here (eos, stop, length,
-        tool_limit)."""
+        tool_limit). `versions[route]`: the version of each adapter of the backend's weights (none = 0);
+        the token records its sampling adapter's (-1 when the base computed it)."""
         req, sp = self.req, self.req.sampling
+        route = self.next_route()
+        self.versions.append(-1 if route < 0 else (versions[route] if route < len(versions) else 0))
         self.kinds.append(self.sm.kind_of_next())
         self.ids.append(token)
         self.logprobs.append(logp)
@@ -136,6 +153,7 @@ class Recorder:
         self.ids.extend(forced)
         self.kinds.extend([TOOL_OUTPUT] * len(forced))
         self.logprobs.extend([math.nan] * len(forced))
+        self.versions.extend([-1] * len(forced))  # not sampled: no policy produced them
         if len(self.ids) >= self.max_length:
             self.finish = "length"
         return forced
@@ -161,6 +179,7 @@ class Recorder:
             logprobs=self.logprobs,
             finish_reason=self.finish or "length",
             tool_calls=self.tool_calls,
+            versions=self.versions,
         )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rolerl.rollout.engine import Engine
-from rolerl.rollout.recorder import GenerationRequest
+from rolerl.rollout.recorder import AdapterVersion, GenerationRequest
 from rolerl.types import Turn
 
 T = TypeVar("T")
@@ -71,8 +71,9 @@ class EngineBackend(InProcess):
         return await future
 
     def sync(self, policy: Any) -> dict[str, float]:
-        """The engine's own copy of the weights, when it has one (`rollout.dtype`), takes the new adapters."""
-        return self.engine.sync()
+        """The engine's own copy of the weights, when it has one (`rollout.dtype`, asynchronous training),
+        takes the new adapters: the trainer's, or those of an `AdapterVersion`."""
+        return self.engine.sync(policy if isinstance(policy, AdapterVersion) else None)
 
     def sleep(self) -> None:
         """Free the engine's sampling memory, in its own thread, before any request queued after this."""

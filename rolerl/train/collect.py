@@ -13,9 +13,10 @@ no text re-tokenised, so SFT imitates exactly the sequences the workflow produce
 spliced tool output included):
 
     {"role": "coder", "prompt_ids": [...], "completion_ids": [...], "kinds": ["reasoning", ...],
-     "vocab": 49152, "example": "gsm8k/17", "sample": 2, "reward": 1.0, "text": "<code>..."}
+     "versions": [[0, 57]], "vocab": 49152, "example": "gsm8k/17", "sample": 2, "reward": 1.0, "text": "<code>..."}
 
-`text` is for reading; `vocab` (the tokenizer's size) guards against training a model with another
+`versions` are the sampling adapters' versions per completion token, run-length encoded (`Turn.versions`;
+rows written before them have none, read as version 0); `text` is for reading; `vocab` (the tokenizer's size) guards against training a model with another
 vocabulary on the ids. Rows are appended chunk by chunk with the examples done in `OUT.done`, so
 `--resume` continues an interrupted collection.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rolerl.eval.harness import EvalSpec, append_lines, rollouts, spec_examples, spec_policy
-from rolerl.types import Episode, Turn
+from rolerl.types import Episode, Turn, versions_to_runs
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def _row(policy, example_id: str, sample: int, episode: Episode, turn: Turn) -> 
         "prompt_ids": turn.prompt_ids,
         "completion_ids": turn.completion_ids,
         "kinds": turn.kinds,
+        "versions": versions_to_runs(turn.version_list()),  # [[version, count], ...] (`Turn.versions`)
         "vocab": len(tokenizer),
         "example": example_id,
         "sample": sample,

@@ -12,7 +12,7 @@ from rolerl.eval.harness import EvalSpec
 from rolerl.roles import PROMPT, shift
 from rolerl.train.collect import Keep, collect, kept_calls
 from rolerl.train.sft import demonstration_turns, read_demonstrations
-from rolerl.types import Episode, Turn
+from rolerl.types import Episode, Turn, runs_to_versions
 from tests.train.test_rl import SMOKE
 
 SPEC = dict(task="arithmetic", model="tiny:llama", split="train", max_new_tokens=6, limit=5, n=3,
@@ -54,6 +54,9 @@ def test_collected_rows_are_the_rollouts_ids_and_sft_trains_them_as_they_are(tmp
     row = rows[0]
     assert row["role"] == "policy" and row["vocab"] == len(tokenizer) and 1 <= len(row["completion_ids"]) <= 6
     assert tokenizer.decode(row["completion_ids"]) == row["text"]
+    # the base model (no adapters in this spec) sampled every token: version -1 ("no adapter"), one run
+    assert row["versions"] == [[-1, len(row["completion_ids"])]]
+    assert runs_to_versions(row["versions"]) == [-1] * len(row["completion_ids"])
     assert tokenizer.decode(row["prompt_ids"]).endswith("<|im_start|>assistant\n")
     # SFT reads the ids, kinds and routes as sampled: nothing re-tokenised
     data = read_demonstrations(out)
