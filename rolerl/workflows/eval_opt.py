@@ -17,6 +17,8 @@ verdict matches the true correctness of the answer it judged (`task.check`, else
 
 Role metrics (`Context.measure`, `workflow/eval_opt/<metric>`; docs/WORKFLOWS.md); "right" is `task.check`
 (else reward >= 1) on the answer:
+- `verdict_parsed`: per review, it holds a verdict (not `no_verdict`): the protocol rate a warm start is
+  judged by (`rolerl demos eval-opt`);
 - `evaluator_verdict_acc`: per review, its verdict matches the rightness of the answer it judged (no
   verdict: a miss), the evaluator call's own reward;
 - `generator_first_acc`: per episode, the first answer is right (the final accuracy minus it is the
@@ -26,7 +28,8 @@ Role metrics (`Context.measure`, `workflow/eval_opt/<metric>`; docs/WORKFLOWS.md
   revision is wrong.
 
 Warm start: `EvalOpt.evaluator_demonstration` turns an answer whose rightness the grader knows into an
-imitation row for the evaluator (the first review's prompt, the grader's verdict), for `rolerl sft`.
+imitation row for the evaluator (the first review's prompt, the grader's verdict), for `rolerl sft`;
+`rolerl demos eval-opt` writes them for every role (`demos/roles.py`).
 
 Malformed (counted, `workflow/eval_opt/malformed/<case>`):
 - `no_verdict`: no `\\boxed{Correct}` / `\\boxed{Incorrect}` in the review (the last one counts); the rule is
@@ -105,6 +108,7 @@ class EvalOpt:
                 ctx.malformed("no_verdict")
             answer.reward = self.task.reward(example, text)  # the generator call's own credit
             review.reward = 1.0 if verdict == ok else 0.0
+            ctx.measure("verdict_parsed", verdict is not None)
             ctx.measure("evaluator_verdict_acc", verdict == ok)
             if verdict is True or r == self.rounds - 1:
                 break

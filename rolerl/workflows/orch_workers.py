@@ -20,6 +20,10 @@ Role metrics (`Context.measure`, `workflow/orch_workers/<metric>`; docs/WORKFLOW
 - `any_worker_correct`: per episode, some worker was right (the synthesizer's ceiling);
 - `synthesizer_acc`: over the episodes where some worker was right, the final answer is right.
 
+Warm start: `rolerl demos orch-workers` (`demos/roles.py`) writes imitation rows for every role
+from the task data: a plan of "Strategy k:" lines whose first strategy follows the reference solution's
+computations, a worker solving with one of them, a synthesizer giving the reference answer.
+
 Strategies are parsed from lines that start with "Strategy k:" (any case, markdown bold or headings
 around it), "k." or "k)", or a "-", "*", "+" or "•" bullet; unmarked lines continue the item above until
 a blank line; text before the first item is ignored; duplicates (same words, any case or punctuation) are
@@ -75,6 +79,23 @@ def parse_strategies(text: str) -> list[str]:
     return out
 
 
+def orchestrator_messages(prompt: Messages, workers: int) -> Messages:
+    """The orchestrator's prompt: the strategist's system message and the task `prompt`'s question (its
+    own system prompt, the answer format, is the workers' and the synthesizer's, not the planner's)."""
+    system = {"role": "system", "content": ORCHESTRATOR_SYSTEM.format(m=workers)}
+    return [system, *[m for m in prompt if m["role"] != "system"]]
+
+
+def synthesizer_messages(prompt: Messages, strategies: list[str], texts: list[str]) -> Messages:
+    """The synthesizer's prompt: the task `prompt` with every worker's solution, labelled with its strategy
+    (no strategy: the plain problem's one worker)."""
+    labels = [f"Solution {i + 1} (strategy: {s})" for i, s in enumerate(strategies)] or ["Solution 1"]
+    solutions = "\n\n".join(
+        f"{label}:\n{t.strip() or '(empty)'}" for label, t in zip(labels, texts, strict=True)
+    )
+    return with_note(prompt, SYNTHESIZER_NOTE.format(solutions=solutions))
+
+
 def with_note(messages: Messages, note: str) -> Messages:
     """`messages` with `note` appended to the last user message (the task's system prompt and its answer
     format stay as they are)."""
@@ -96,9 +117,9 @@ class OrchWorkers:
         self.task, self.workers = task, workers
 
     async def run(self, ctx: Context, example: Example) -> Episode:
-        question = [m for m in self.task.prompt(example) if m["role"] != "system"]
-        system = {"role": "system", "content": ORCHESTRATOR_SYSTEM.format(m=self.workers)}
-        plan = await ctx.generate("orchestrator", [system, *question])
+        plan = await ctx.generate(
+            "orchestrator", orchestrator_messages(self.task.prompt(example), self.workers)
+        )
         strategies = parse_strategies(ctx.text(plan))
         ctx.measure("plan_valid", 1 <= len(strategies) <= self.workers)
         if not strategies:
@@ -116,12 +137,8 @@ class OrchWorkers:
             ctx.measure("worker_acc", self.correct(example, text))
         any_right = any(self.correct(example, t) for t in texts)
         ctx.measure("any_worker_correct", any_right)
-        labels = [f"Solution {i + 1} (strategy: {s})" for i, s in enumerate(strategies)] or ["Solution 1"]
-        solutions = "\n\n".join(
-            f"{label}:\n{t.strip() or '(empty)'}" for label, t in zip(labels, texts, strict=True)
-        )
         final = await ctx.generate(
-            "synthesizer", with_note(self.task.prompt(example), SYNTHESIZER_NOTE.format(solutions=solutions))
+            "synthesizer", synthesizer_messages(self.task.prompt(example), strategies, texts)
         )
         text = ctx.text(final)
         if not text.strip():

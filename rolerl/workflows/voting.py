@@ -17,17 +17,20 @@ first turns in voter order, so under `algorithm.group_key: role_instance` voter 
 task is one advantage group (paper 3's `generator0/1/2`, PAPERS 1.4); `role` pools all voters.
 
 Role metrics (`Context.measure`, `workflow/voting/<metric>`, per episode; docs/WORKFLOWS.md):
+- `choice_parsed`: the aggregator's reply is a well-formed choice (neither malformed case below): the
+  protocol rate a warm start is judged by (`rolerl demos voting`);
 - `any_voter_correct`: some voter was right (the best available choice: an aggregator's ceiling);
 - `aggregator_choice_acc`: over the episodes where some voter was right, the aggregator chose (well
   formed) a right reply; a malformed choice chose nothing and counts as wrong, whatever voter 1 wrote;
 - `majority_acc`: the voters' majority answer (`task.answer_of`; ties to the first seen, replies without
-  an answer do not vote: `eval.metrics.majority_correct`) is right; only for tasks with `answer_of`.
+  an answer do not vote: `tasks.base.majority_correct`) is right; only for tasks with `answer_of`.
 The episode's accuracy is the chosen reply's, so it against `majority_acc` says whether the aggregator
 beats a majority vote.
 
 Warm start: `Voting.aggregator_demonstration` turns voter replies whose rightness the grader knows into an
 imitation row for the aggregator (the prompt this workflow sends, a reply choosing a right one), for
-`rolerl sft` to teach the protocol before RL.
+`rolerl sft` to teach the protocol before RL; `rolerl demos voting` writes them for every role
+(`demos/roles.py`).
 
 The choice is the last `\\boxed{<integer>}` (or `\\boxed{Solution <integer>}`) of the aggregator's reply.
 Malformed (counted, `workflow/voting/malformed/<case>`); for both the rule is voter 1's reply (paper 3's
@@ -45,8 +48,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from rolerl.eval.metrics import majority_correct
-from rolerl.tasks.base import Example, Messages, Task
+from rolerl.tasks.base import Example, Messages, Task, majority_correct
 from rolerl.types import Episode
 from rolerl.workflows.base import Context, derive_seed
 
@@ -121,6 +123,7 @@ class Voting:
     def measure(self, ctx: Context, texts: list[str], right: list[bool], chose: int | None) -> None:
         """The aggregator's choice against the best available one and against majority vote (module doc);
         `chose`: the 0-based reply it picked, None for a malformed choice."""
+        ctx.measure("choice_parsed", chose is not None)
         ctx.measure("any_voter_correct", any(right))
         if any(right):
             ctx.measure("aggregator_choice_acc", chose is not None and right[chose])

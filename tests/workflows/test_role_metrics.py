@@ -57,6 +57,7 @@ def test_voting(tokenizer):
     ]  # fmt: skip
     assert episodes[2].reward == 1.0 and episodes[2].metadata["malformed"] == {"no_choice": 1}
     assert metrics(episodes, "voting", ("voter", "aggregator")) == {
+        "workflow/voting/choice_parsed": 4 / 5,  # episode 3's choice is malformed
         "workflow/voting/any_voter_correct": 4 / 5,
         "workflow/voting/aggregator_choice_acc": 1 / 4,
         "workflow/voting/majority_acc": 1 / 5,
@@ -72,10 +73,12 @@ def test_eval_opt(tokenizer):
     assert broken.metadata["malformed"] == {"no_verdict": 1} and broken.metadata["rounds"] == 3
     assert [t.reward for t in broken.turns if t.role == "evaluator"] == [0.0, 1.0, 0.0]
     assert fixed.metadata["measures"] == {
-        "generator_first_acc": [0.0, 1.0], "revision_wrong_to_right": [1.0, 1.0], "evaluator_verdict_acc": [2.0, 2.0]
+        "generator_first_acc": [0.0, 1.0], "revision_wrong_to_right": [1.0, 1.0], "evaluator_verdict_acc": [2.0, 2.0],
+        "verdict_parsed": [2.0, 2.0],
     }  # fmt: skip
     assert metrics([fixed, broken], "eval_opt", ("generator", "evaluator")) == {
         "workflow/eval_opt/evaluator_verdict_acc": 3 / 5,
+        "workflow/eval_opt/verdict_parsed": 4 / 5,  # broken's third review has no verdict
         "workflow/eval_opt/generator_first_acc": 1 / 2,
         "workflow/eval_opt/revision_right_to_wrong": 1 / 1,
         "workflow/eval_opt/revision_wrong_to_right": 1 / 2,  # fixed's one fix, broken's second revision
@@ -149,13 +152,14 @@ def test_eval_samples_carry_them_and_the_summary_pools_them_like_the_step_metric
     episodes = [voting.run(tokenizer, c, answers=[five, six, six])[0] for c in ("\\boxed{1}", "\\boxed{2}")]
     policy = SimpleNamespace(tokenizer_of=lambda role: tokenizer)
     samples = [_sample(voting.TASK, voting.EXAMPLE, j, e, policy) for j, e in enumerate(episodes)]
-    assert samples[1].measures == {"any_voter_correct": [1.0, 1.0], "aggregator_choice_acc": [0.0, 1.0],
-                                   "majority_acc": [0.0, 1.0]}  # fmt: skip
+    assert samples[1].measures == {"choice_parsed": [1.0, 1.0], "any_voter_correct": [1.0, 1.0],
+                                   "aggregator_choice_acc": [0.0, 1.0], "majority_acc": [0.0, 1.0]}  # fmt: skip
     summary = {k: v for k, v in summarize(samples, 2, "voting").items() if k.startswith("workflow/")}
     assert (
         summary
         == metrics(episodes, "voting", ("voter", "aggregator"))
         == {
+            "workflow/voting/choice_parsed": 1.0,
             "workflow/voting/any_voter_correct": 1.0,
             "workflow/voting/aggregator_choice_acc": 0.5,
             "workflow/voting/majority_acc": 0.0,
