@@ -17,7 +17,8 @@ kernel (`rolerl.rollout.native`, reading the cache in place), per number of keys
     python benchmarks/decode_step.py step --batch 32 --kv 100
     python benchmarks/decode_step.py gemms --batches 8 32 64
     python benchmarks/decode_step.py attention --batch 32 [--dtype bfloat16]
-Figures and the CPU they ran on: docs/BENCHMARKS.md ("Round three", "Round fourteen").
+Figures and the CPU they ran on: docs/BENCHMARKS.md ("The decode step's parts"); earlier ones in
+docs/history/BENCHMARKS-history.md ("Round three", "Round fourteen").
 """
 
 from __future__ import annotations

@@ -280,9 +280,11 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
     )
     from rolerl.heap import keep_freed_memory
     from rolerl.rollout.lockstep import LockstepBackend
+    from rolerl.run.engines import build_engines
+    from rolerl.run.policy import build_policy
     from rolerl.tasks.arithmetic import ArithmeticTask
-    from rolerl.train.policy import build_policy
-    from rolerl.train.rl import build_engines, train_step
+    from rolerl.train.optim import policy_optimizer
+    from rolerl.train.rl import train_step
 
     torch.set_num_threads(args.threads)
     total = args.warmup + args.steps
@@ -332,7 +334,7 @@ def rolerl_child(args: argparse.Namespace, beta: float) -> dict:
         after_load = rss_mb()
         params = policy.trainable()
         assert {p.dtype for p in params} == {torch.float32}
-        optimizer = policy.optimizer(cfg.optim)  # AdamW, lr LR, betas (0.9, 0.999), weight decay 0.01
+        optimizer = policy_optimizer(policy, cfg.optim)  # AdamW, lr LR, betas (0.9, 0.999), weight decay 0.01
         # rolerl's engines as training builds them (rollout.dtype, rollout.kernels)
         backend = LockstepBackend(build_engines(cfg, policy, None, {}, cfg.rollout.max_batch))
         after_init = rss_mb()

@@ -31,8 +31,8 @@ def main() -> None:
     from rolerl.config import load_config
     from rolerl.demo import DEFAULT_CONFIG
     from rolerl.hardware import describe
+    from rolerl.run.policy import build_policy
     from rolerl.tasks.synthetic import format_task, rl_task
-    from rolerl.train.policy import build_policy
     from rolerl.train.sft import sft
     from rolerl.workflows.tir import TIR
 

@@ -24,8 +24,9 @@ import torch
 
 from rolerl.config import load_config
 from rolerl.hardware import describe
+from rolerl.run.policy import build_policy
 from rolerl.tasks import ArithmeticTask
-from rolerl.train.policy import build_policy
+from rolerl.train.optim import policy_optimizer
 from rolerl.train.rl import _backend, _engines, train_step
 
 ARMS = {
@@ -62,7 +63,7 @@ def arm(name: str, args, out: str):
     task = ArithmeticTask()
     workflow = SolveCheck(task)
     policy = build_policy(cfg, workflow.roles)
-    optimizer = policy.optimizer(cfg.optim)
+    optimizer = policy_optimizer(policy, cfg.optim)
     backend = _backend(cfg, _engines(cfg, policy))
     params = sum(p.numel() * p.element_size() for m in policy.members.values() for p in m.model.parameters())
     return cfg, policy, optimizer, backend, task, workflow, params

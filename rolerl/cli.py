@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,8 @@ EPILOG = """examples:
   rolerl eval --task arithmetic --model tiny:llama --limit 8 --out runs/eval
   rolerl collect --task gsm8k --workflow tir --n 8 --out demos.jsonl    correct rollouts as SFT data
   rolerl demos gsm8k --format tir --out demos.jsonl    GSM8K's train solutions as tool-call SFT data
+  rolerl demos voting --task gsm8k --out voting.jsonl  a warm start for every role of a workflow
+  rolerl recipe gsm8k-tir --limit 100 --steps 10    demos -> imitation -> GRPO, evaluated before and after
   rolerl diagnose grad-conflict --task synthetic --workflow tir --run runs/demo/rl --limit 8 --out runs/gc
   rolerl report runs/a runs/b --out runs/report          one offline HTML page comparing runs
 """
@@ -106,6 +109,71 @@ def _run_demo(args: argparse.Namespace) -> int:
     given = {k: v for k, v in given.items() if v is not None}
     settings = DemoSettings.quick_check(**given) if args.quick else DemoSettings(**given)
     results = run_demo(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def _configure_recipe(p: argparse.ArgumentParser) -> None:
+    from rolerl.recipe import RECIPES, TEST_SIZE
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's lines as written
+    p.description = textwrap.fill(" ".join((p.description or "").split()), 100)
+    p.epilog = (
+        "recipes:\n"
+        + "".join(
+            f"  {name:<12} {r.about} (config {r.config}; --topology {' or '.join(r.topologies)})\n"
+            for name, r in RECIPES.items()
+        )
+        + (
+            "\nexamples:\n"
+            "  rolerl recipe gsm8k-tir                          the whole pipeline, default model, full test set\n"
+            "  rolerl recipe gsm8k-tir --limit 100 --steps 5 --demos 500 --out runs/tir-check    a short check\n"
+            "  rolerl recipe gsm8k-tir --topology dart --seed 1 --out runs/gsm8k-tir-dart-s1\n"
+            "  rolerl recipe gsm8k-msarl --set sft.epochs=2 train.steps=200\n"
+            "  rolerl report runs/gsm8k-tir runs/gsm8k-tir-dart-s1    compare finished recipes"
+        )
+    )
+    p.add_argument("name", metavar="RECIPE", help=f"one of: {', '.join(RECIPES)}")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="the recipe's directory: every stage's outputs; rerun the same command to continue "
+                        "(default: runs/RECIPE)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the adapters, GRPO's sampling and shuffling; the test problems stay the same "
+                        "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--model", default=None,
+                   help="'default' (SmolLM2-135M-Instruct), 'tiny:llama', a HF id or a directory (default: the "
+                        "config's)")  # fmt: skip
+    p.add_argument("--topology", default=None, help="adapters.preset: which adapter each token trains (default: "
+                   "the config's; the recipes list their choices below)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help="GRPO steps; 0 = stop after the warm start (default: the config's train.steps)")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help=f"evaluate on N test problems, the first N of a fixed shuffle (default: all {TEST_SIZE})")  # fmt: skip
+    p.add_argument("--demos", type=int, default=None, metavar="N",
+                   help="build demonstrations from the first N train rows (default: all 7473)")  # fmt: skip
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="the data root holding gsm8k/train.jsonl and gsm8k/test.jsonl (default: the shared data, "
+                        "$ROLERL_SHARED_DATA)")  # fmt: skip
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config overrides, applied last, e.g. --set sft.epochs=2 rollout.n=4 (repeatable)")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (the stage lines stay)")
+    p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
+
+
+def _run_recipe(args: argparse.Namespace) -> int:
+    """A benchmark's whole pipeline in one command: demonstrations from GSM8K train (rolerl demos), the base
+    model on the test set, an imitation warm start (rolerl sft), the warm start on the test set, GRPO on GSM8K
+    train with the Python sandbox (rolerl train), the adapters after RL on the test set (greedy pass@1 with
+    its standard error), results.json and the report (rolerl report). Each finished stage is marked in
+    OUT/stages/: rerunning the same command skips what is done and continues what was cut short."""
+    from rolerl.recipe import RecipeSettings, run_recipe
+
+    settings = RecipeSettings(
+        args.name, out=args.out, seed=args.seed, model=args.model, topology=args.topology, steps=args.steps,
+        limit=args.limit, demos=args.demos, data=args.data, overrides=tuple(args.set), progress=not args.no_progress,
+    )  # fmt: skip
+    results = run_recipe(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
     if args.json:
         print(json.dumps(results))
     return 0
@@ -550,33 +618,115 @@ def _run_collect(args: argparse.Namespace) -> int:
 
 
 def _configure_demos(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "source", choices=["gsm8k"], help="the data the demonstrations come from (its train split)"
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's lines as written
+    p.description = textwrap.fill(" ".join((p.description or "").split()), 100)
+    p.epilog = (
+        "sources:\n"
+        "  gsm8k         GSM8K's train solutions as tool calls (--format tir | msarl), checked in the sandbox\n"
+        "  voting        voters' answers and the aggregator's \\boxed{i} choice of a right solution\n"
+        "  eval-opt      the generator's answers and the evaluator's \\boxed{Correct|Incorrect} verdicts\n"
+        "  orch-workers  the orchestrator's 'Strategy k:' plan, a worker's and the synthesizer's answers\n"
+        "  msarl         reasoner_tools' reasoner and coder (= gsm8k --format msarl)\n"
+        "Every role of the workflow gets rows, from the task's train split only (docs/WORKFLOWS.md 'Warm start').\n"
+        "\nexamples:\n"
+        "  rolerl demos voting --task gsm8k --limit 300 --out voting-demos.jsonl\n"
+        "  rolerl sft voting --data voting-demos.jsonl --set run.dir=runs/voting-sft\n"
+        "  rolerl eval --task gsm8k --workflow voting --adapters runs/voting-sft/adapters --preset isolated\n"
+        "  rolerl demos orch-workers --task synthetic --limit 200 --option workers=2 --out ow.jsonl\n"
+        "  rolerl demos gsm8k --format tir --out tir-demos.jsonl"
     )
-    p.add_argument("--format", dest="fmt", required=True, choices=["tir", "msarl"],
-                   help="tir: the tir workflow's policy; msarl: reasoner_tools' reasoner and coder")  # fmt: skip
+    p.add_argument(
+        "source",
+        choices=["gsm8k", "voting", "eval-opt", "orch-workers", "msarl"],
+        help="a benchmark's solutions (gsm8k) or a workflow whose every role gets demonstrations",
+    )
+    p.add_argument("--format", dest="fmt", default=None, choices=["tir", "msarl"],
+                   help="gsm8k: tir = the tir workflow's policy; msarl = reasoner_tools' reasoner and coder")  # fmt: skip
     p.add_argument(
         "--out", required=True, metavar="FILE", help="the demonstrations JSONL (rolerl sft --data FILE)"
     )
+    p.add_argument("--task", default="gsm8k",
+                   help="a workflow's task: gsm8k (worked solutions), synthetic ... (default: %(default)s)")  # fmt: skip
     p.add_argument("--data", default=None, metavar="DIR",
                    help="the data root, the gsm8k folder or its train.jsonl (default: the shared data)")  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="convert the first N rows only")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="gsm8k: the first N rows; a workflow: N train examples (default: all; 256 for a "
+                        "generated task)")  # fmt: skip
+    p.add_argument("--option", dest="workflow_options", action="append", default=[], metavar="KEY=VALUE",
+                   help="a workflow setting, e.g. --option voters=5 (as in the config's "
+                        "task.workflow_options); repeatable")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="the examples' draw and each row's order (default: 0)")
+    p.add_argument("--samples", type=int, default=0, metavar="N",
+                   help="a workflow: roles the task data gives no row get rejection-sampled ones, N "
+                        "rollouts per example with --model (rolerl collect --roles); 0 = none (default)")  # fmt: skip
+    _add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="--samples' calls (default: %(default)s)")
     p.add_argument("--max-calls", type=int, default=None, metavar="K",
-                   help="drop solutions with more than K computations (tool calls or requests)")  # fmt: skip
-    p.add_argument("--workers", type=int, default=8, help="rows checked at once (default: %(default)s)")
+                   help="gsm8k: drop solutions with more than K computations (tool calls or requests)")  # fmt: skip
+    p.add_argument(
+        "--workers", type=int, default=8, help="gsm8k: rows checked at once (default: %(default)s)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_demos(args: argparse.Namespace) -> int:
-    """Tool-integrated demonstrations from a benchmark's own training solutions: each GSM8K calculator
-    annotation becomes a Python call (TIR) or a reasoner request and the coder's code (MSARL), run in the
-    sandbox and checked against the annotation and the gold answer; never from the test split."""
-    from rolerl.tasks.gsm8k_demos import build, summary_lines
+    """Demonstrations for `rolerl sft` from a task's train split, never its test split. gsm8k: each GSM8K
+    calculator annotation becomes a Python call (TIR) or a reasoner request and the coder's code (MSARL),
+    run in the sandbox and checked against the annotation and the gold answer. voting, eval-opt,
+    orch-workers: every role of the workflow, each row the prompt the workflow sends that role and a reply
+    that follows its protocol, built from the task's worked solutions and gold answers (a right voter's
+    index, the grader's verdict, a plan that parses); a summary says how many rows each role got and why
+    examples gave none."""
+    if args.source in ("gsm8k", "msarl"):
+        return _run_gsm8k_demos(args, "msarl" if args.source == "msarl" else args.fmt)
+    if args.fmt is not None:
+        raise ValueError(f"--format is for gsm8k; {args.source} writes every role of its workflow")
+    from rolerl.eval.harness import EvalSpec, spec_examples
+    from rolerl.tasks import load_task
+    from rolerl.workflows import load_workflow
+    from rolerl.demos.roles import SPLIT, WARM_STARTS, build, collect_roles, summary_lines
 
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit {args.limit}; allowed: an integer >= 1")
+    if args.samples < 0:
+        raise ValueError(f"--samples {args.samples}; allowed: an integer >= 0")
     t0 = time.perf_counter()
-    report = build(args.fmt, args.out, data=args.data, limit=args.limit, max_calls=args.max_calls,
+    name = WARM_STARTS[args.source][0]
+    task = load_task(args.task, args.data)
+    workflow = load_workflow(name, task, _options(args.workflow_options))
+    limit = args.limit if args.limit is not None or callable(getattr(task, "size", None)) else 256
+    spec = EvalSpec(task=args.task, data=args.data, split=SPLIT, workflow=name, model=args.model, dtype=args.dtype,
+                    workflow_options=_options(args.workflow_options), n=max(args.samples, 1), temperature=0.7,
+                    max_new_tokens=args.max_new_tokens, limit=limit, seed=args.seed,
+                    progress=not args.no_progress)  # fmt: skip
+    report = build(
+        workflow, spec_examples(task, spec), args.out, seed=args.seed, progress=not args.no_progress
+    )
+    missing = report.missing(workflow.roles)
+    if missing and args.samples:
+        collect_roles(spec, args.out, missing, report)
+    for line in summary_lines(report, workflow.roles, args.out):
+        print(line, file=sys.stderr)
+    if report.missing(workflow.roles):
+        print(f"  no demonstrations for {report.missing(workflow.roles)}: give --samples N to collect them "
+              "from the model's correct rollouts", file=sys.stderr)  # fmt: skip
+    print(json.dumps({"out": args.out, **report.summary(), "wall_s": round(time.perf_counter() - t0, 1)}))
+    return 0
+
+
+def _run_gsm8k_demos(args: argparse.Namespace, fmt: str | None) -> int:
+    from rolerl.demos.gsm8k import build, summary_lines
+
+    if fmt is None:
+        raise ValueError("rolerl demos gsm8k needs --format tir or --format msarl")
+    if args.task != "gsm8k":
+        raise ValueError(
+            f"--task {args.task}: {args.source} demonstrations come from GSM8K's train solutions"
+        )
+    t0 = time.perf_counter()
+    report = build(fmt, args.out, data=args.data, limit=args.limit, max_calls=args.max_calls,
                    workers=args.workers, progress=not args.no_progress)  # fmt: skip
-    for line in summary_lines(report, args.out, args.fmt):
+    for line in summary_lines(report, args.out, fmt):
         print(line, file=sys.stderr)
     print(json.dumps({"out": args.out, **report.summary(), "wall_s": round(time.perf_counter() - t0, 1)}))
     return 0
@@ -769,6 +919,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         _configure_demo,
         _run_demo,
     ),
+    "recipe": (
+        "a benchmark's whole pipeline, resumable: GSM8K demos -> imitation -> GRPO, evaluated before and after",
+        _configure_recipe,
+        _run_recipe,
+    ),
     "adapters": (
         "create fresh routed adapters and save them as PEFT directories",
         _configure_adapters,
@@ -797,7 +952,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         _run_collect,
     ),
     "demos": (
-        "tool-integrated demonstrations from GSM8K's train solutions (TIR or MSARL), checked in the sandbox",
+        "SFT demonstrations: GSM8K's train solutions as tool calls (TIR, MSARL), or every role of a workflow "
+        "(voting, eval-opt, orch-workers)",
         _configure_demos,
         _run_demos,
     ),

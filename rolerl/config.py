@@ -19,11 +19,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from rolerl.errors import ConfigError
+
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-
-
-class ConfigError(ValueError):
-    """A bad key, type or value in a run configuration; the message names the field and what is allowed."""
 
 
 @dataclass
@@ -124,8 +122,13 @@ def _kinds_ok(kinds: list[str] | None) -> bool:
 @dataclass
 class TaskConfig(Section):
     _name = "task"
-    name: str = "arithmetic"  # a built-in task (rolerl.tasks.TASKS) or a benchmark (rolerl.tasks.BENCHMARKS)
-    data: str | None = None  # a benchmark's file, directory or dataset id; None = its default location
+    # a built-in task (rolerl.tasks.TASKS), a benchmark (rolerl.tasks.BENCHMARKS; jsonl = your own JSONL
+    # file, rewarded by exact match of the answer tag), or package.module:factory, your own: called with
+    # task.data, it returns a Task (e.g. rolerl.tasks.JsonlTask(data, reward=your_function)); see the guide
+    # docs/guides/own-workflow.md
+    name: str = "arithmetic"
+    # a benchmark's file, directory or dataset id (jsonl: your file); None = its default
+    data: str | None = None
     workflow: str = "single_turn"  # a key of rolerl.workflows.WORKFLOWS, or package.module:Class (your own)
     workflow_options: dict[str, bool | int | float | str] = field(default_factory=dict)  # its settings
     split: str = "train"  # the split RL samples tasks from
@@ -135,7 +138,11 @@ class TaskConfig(Section):
         from rolerl.workflows import WORKFLOWS
 
         self.require(
-            self.name in TASKS or self.name in BENCHMARKS, "name", str(sorted([*TASKS, *BENCHMARKS]))
+            self.name in TASKS or self.name in BENCHMARKS or ":" in self.name, "name",
+            f"{sorted([*TASKS, *BENCHMARKS])} or package.module:factory",
+        )  # fmt: skip
+        self.require(
+            self.name != "jsonl" or bool(self.data), "data", "the path of your JSONL file (task.name=jsonl)"
         )
         self.require(
             self.workflow in WORKFLOWS or ":" in self.workflow, "workflow",
@@ -167,8 +174,10 @@ class RolloutConfig(Section):
     max_tool_calls: int = 4  # per model call
     # lockstep: the engine steps only when every episode waits on it (deterministic, exact resume);
     # threaded: EngineBackend's free-running engine thread (batch composition depends on timing);
-    # vllm: vLLM's offline engine on the GPU, adapters synced after each step (docs/ROLLOUT.md)
-    backend: Literal["lockstep", "threaded", "vllm"] = "lockstep"
+    # vllm: vLLM's offline engine on the GPU, adapters synced after each step (docs/ROLLOUT.md);
+    # auto = vllm where the model is on a GPU and vLLM is installed (or rollout.vllm.url is set), else lockstep
+    # (on CPU the built-in engine measured faster than vLLM's CPU build: docs/ROLLOUT.md "vLLM")
+    backend: Literal["lockstep", "threaded", "vllm", "auto"] = "lockstep"
     # the engine's weights: model = the trainer's own; bfloat16 = a bf16 copy of the model the engine
     # samples from (adapters copied after every step; needs algorithm.old_logp=recompute, tis_cap advised);
     # auto = bfloat16 where bf16 is native (a GPU, or a CPU with AVX512-BF16/AMX), else model
@@ -355,6 +364,27 @@ class TrainConfig(Section):
     # stops the job at once: torchrun ends the others); above the slowest rank's lead at a gather (a long
     # rollout, rank 0 writing a checkpoint). docs/DISTRIBUTED.md ("When a rank fails")
     dist_timeout_s: float = 1800.0
+    # asynchronous training: null = the synchronous loop; k >= 0 = tokens may be up to k optimizer steps of
+    # their own adapter behind: the rollout of step s samples from the adapters after step s - 1 - k / m (m =
+    # ppo_epochs x mini_batches, 1 where the batch decides), generated while earlier steps train (0 = the
+    # synchronous loop, bit for bit); a call with a token beyond k is dropped from the update. k >= 1 needs
+    # algorithm.old_logp recompute or auto and a tis_cap (decoupled PPO: docs/TRAINING.md)
+    max_staleness: int | None = None
+
+    @property
+    def adapter_steps_per_step(self) -> int | None:
+        """The optimizer steps an adapter takes per training step, where the config fixes it (the batch cut
+        into `mini_batches` alike for every role); None where it depends on the batch (`mini_batch_size`,
+        `mini_batch_by: role`)."""
+        if self.mini_batch_size is not None or self.mini_batch_by == "role":
+            return None
+        return self.ppo_epochs * (1 if self.step_policy == "merged" else self.mini_batches)
+
+    @property
+    def async_lag(self) -> int:
+        """How many training steps behind the rollouts sample under `max_staleness` (0: synchronous): as
+        many as keep every token within the bound where `adapter_steps_per_step` is known."""
+        return (self.max_staleness or 0) // (self.adapter_steps_per_step or 1)
 
     @property
     def chunk_size(self) -> int | None:
@@ -381,6 +411,9 @@ class TrainConfig(Section):
             self.mini_batch_size is None or self.mini_batch_size >= 1, "mini_batch_size", "null or >= 1"
         )
         self.require(self.dist_timeout_s > 0, "dist_timeout_s", "a number of seconds > 0")
+        self.require(
+            self.max_staleness is None or self.max_staleness >= 0, "max_staleness", "null or an integer >= 0"
+        )
 
 
 @dataclass
@@ -550,6 +583,33 @@ class Config:
                 )
         if "main" in self.models:
             raise ConfigError("models.main: the main model is model.spec; give the others other names")
+        self._check_async()
+
+    def _check_async(self) -> None:
+        """Stale rollouts need the decoupled loss: behaviour log-probs (the rollout's), a proximal policy
+        recomputed by the trainer, and TIS weights between the two."""
+        k = self.train.max_staleness
+        if not k:
+            return
+        alg = self.algorithm
+        if alg.old_logp == "rollout" or alg.tis_cap is None:
+            raise ConfigError(
+                f"train.max_staleness={k} samples from adapters up to {k} steps old: the update needs "
+                "algorithm.old_logp recompute or auto and algorithm.tis_cap (e.g. 2.0) to correct for it; got "
+                f"old_logp={alg.old_logp!r}, tis_cap={alg.tis_cap!r}"
+            )
+        per = self.train.adapter_steps_per_step
+        if per is not None and k < per:
+            raise ConfigError(
+                f"train.max_staleness={k}: an adapter takes {per} optimizer steps per training step "
+                f"(train.ppo_epochs x train.mini_batches), so a rollout one step behind is {per} of its steps "
+                f"behind: give train.max_staleness >= {per} (each {per} allow one step of overlap)"
+            )
+        if self.rollout.backend not in ("lockstep", "threaded"):
+            raise ConfigError(
+                f"train.max_staleness={k} runs on the built-in engine (rollout.backend lockstep or threaded); "
+                f"got rollout.backend={self.rollout.backend!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,7 +17,7 @@ a custom autograd node's forward or backward, or without grad): fp32 operands, n
 autograd would differentiate through (oneDNN's op has no derivative), oneDNN built in and enabled
 (`torch.backends.mkldnn`). Everything else, and everything under `set_backend("torch")`, is torch's own op.
 The backend is one setting per process, as torch's backend flags are (`train.kernels`, which
-`rolerl.train.policy.build_policy` applies).
+`rolerl.run.policy.build_policy` applies).
 """
 
 from __future__ import annotations

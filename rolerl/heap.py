@@ -12,7 +12,8 @@ process's resident size then stays near its peak between steps instead of return
 Blocks over 32 MB are mapped and faulted in again at every allocation whatever this module sets, so the
 trainer keeps its own blocks under `LARGEST_KEPT_BLOCK` (its attention kernel and log-prob chunks; before
 that, eager attention's scores made 12.9 million faults in one 512-token update). Measured:
-docs/BENCHMARKS.md (GRPO, "Round ten" and "Round thirteen"). Off glibc (macOS, musl) both calls are no-ops.
+docs/history/BENCHMARKS-history.md (GRPO, "Round ten" and "Round thirteen"). Off glibc (macOS, musl) both
+calls are no-ops.
 """
 
 from __future__ import annotations

@@ -110,3 +110,33 @@ def test_training_docs_carry_the_current_reference():
     assert config_reference() in page.read_text(), (
         "regenerate docs/TRAINING.md's reference from config_reference()"
     )
+
+
+def test_max_staleness_is_checked_with_what_asynchronous_training_needs():
+    with pytest.raises(ConfigError, match=r"train.max_staleness=-1; allowed: null or an integer >= 0"):
+        load_config(None, ["train.max_staleness=-1"])
+    # stale rollouts need the decoupled loss: recomputed proximal log-probs and TIS weights
+    with pytest.raises(ConfigError, match="algorithm.old_logp recompute or auto and algorithm.tis_cap"):
+        load_config(None, ["train.max_staleness=1"])
+    with pytest.raises(ConfigError, match="algorithm.old_logp recompute or auto and algorithm.tis_cap"):
+        load_config(None, ["train.max_staleness=1", "algorithm.old_logp=recompute"])
+    decoupled = ["algorithm.old_logp=auto", "algorithm.tis_cap=2.0"]
+    with pytest.raises(
+        ConfigError, match=r"\(rollout.backend lockstep or threaded\); got rollout.backend=.vllm."
+    ):
+        load_config(None, ["train.max_staleness=2", "rollout.backend=vllm", *decoupled])
+    assert load_config(None, ["train.max_staleness=1", *decoupled]).train.async_lag == 1
+    # two optimizer steps per training step: a bound of 1 allows no overlap, 2 one step, 5 two steps
+    with pytest.raises(ConfigError, match=r"an adapter takes 2 optimizer steps .*train.max_staleness >= 2"):
+        load_config(None, ["train.max_staleness=1", "train.mini_batches=2", *decoupled])
+    lag = load_config(None, ["train.max_staleness=5", "train.mini_batches=2", *decoupled]).train.async_lag
+    assert lag == 2
+    merged = ["train.step_policy=merged", "train.mini_batches=2", "train.ppo_epochs=2"]  # one step per epoch
+    assert load_config(None, ["train.max_staleness=2", *merged, *decoupled]).train.async_lag == 1
+    # the batch decides the steps (mini-batches of 3 rows): the lag is the bound, tokens beyond it dropped
+    assert (
+        load_config(None, ["train.max_staleness=1", "train.mini_batch_size=3", *decoupled]).train.async_lag
+        == 1
+    )
+    assert load_config(None, ["train.max_staleness=0"]).train.max_staleness == 0  # the synchronous loop
+    assert Config().train.max_staleness is None  # off by default

@@ -14,7 +14,7 @@ from rolerl.algorithms import chunked_logprobs
 from rolerl.config import ConfigError, load_config
 from rolerl.hardware import fp32_gemm_choice
 from rolerl.models.lora import _LoRALinear
-from rolerl.train.policy import resolve_train_kernels
+from rolerl.run.policy import resolve_train_kernels
 
 onednn = pytest.mark.skipif(not gemm.onednn_built(), reason="this torch has no oneDNN")
 
@@ -109,7 +109,7 @@ def test_auto_takes_onednn_on_amd_cpus_only(vendor, expect, monkeypatch, caplog)
     assert fp32_gemm_choice("cpu", cpu)[0] == expect
     assert fp32_gemm_choice("cuda", cpu)[0] == "torch"
     monkeypatch.setattr(hw, "cpu_info", lambda: cpu)
-    with caplog.at_level(logging.INFO, logger="rolerl.train.policy"):
+    with caplog.at_level(logging.INFO, logger="rolerl.run.policy"):
         got = resolve_train_kernels("auto", torch.device("cpu"))
     assert got == (expect if gemm.onednn_built() else "torch")
     assert f"train.kernels=auto -> {got}" in caplog.text

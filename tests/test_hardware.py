@@ -112,7 +112,7 @@ def test_config_accepts_auto_and_booleans_for_train_bf16():
 
 def test_policy_resolves_auto_for_its_device(monkeypatch):
     import rolerl.hardware as hw
-    from rolerl.train.policy import build_policy
+    from rolerl.run.policy import build_policy
 
     for cpu, expect in ((AVX2, False), (AVX512_BF16, True)):
         monkeypatch.setattr(hw, "cpu_info", lambda cpu=cpu: cpu)
@@ -121,7 +121,7 @@ def test_policy_resolves_auto_for_its_device(monkeypatch):
 
 
 def test_cuda_on_a_cpu_only_torch_is_a_clear_error():
-    from rolerl.train.policy import resolve_device
+    from rolerl.run.policy import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -47,7 +47,7 @@ def chunk_positions(vocab: int, device: torch.device | str) -> int:
     block the kept heap serves (`rolerl.heap`; 170 at V = 49,152, 55 at 151,936, never under 16): a larger
     block is mapped for each allocation and its pages faulted in again, chunk after chunk (a 512-token GRPO
     update on the default model: 0.34 GB more peak and 0.7 million more faults at 512 positions than at
-    128; docs/BENCHMARKS.md, GRPO round thirteen). On accelerators 512."""
+    128; docs/history/BENCHMARKS-history.md, GRPO round thirteen). On accelerators 512."""
     if torch.device(device).type != "cpu":
         return GPU_CHUNK
     return max(16, LARGEST_KEPT_BLOCK // (4 * vocab))

@@ -22,8 +22,6 @@ they were.
 from __future__ import annotations
 
 import itertools
-import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -31,22 +29,9 @@ import torch
 from torch import nn
 
 from rolerl.roles import KINDS, POLICY_KINDS
+from rolerl.train.grad_conflict import Angle, ModuleGrads, cosine, module_of
+from rolerl.train.policy import token_logprobs
 from rolerl.types import Episode, collate
-
-ModuleGrads = dict[str, torch.Tensor]  # module name -> its parameters' gradient, flattened (float32)
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-def module_of(param_name: str) -> str:
-    """The module a parameter belongs to: `...q_proj.lora_A.tool` -> `...q_proj`, `...q_proj.weight` ->
-    `...q_proj`."""
-    name = re.sub(r"\.lora_[AB]\.[^.]+$", "", param_name)
-    return re.sub(r"\.(weight|bias)$", "", name)
-
-
-def layer_of(module: str) -> str:
-    m = _LAYER.search(module)
-    return f"layer {int(m.group(1)):02d}" if m else "other"
 
 
 def select_params(model: nn.Module, which: str) -> dict[str, nn.Parameter]:
@@ -76,8 +61,6 @@ def episode_gradients(
 ) -> dict[str, ModuleGrads]:
     """Each group's partial gradient over the episode's calls (`group_by`: `kind` or `role`): the gradient
     of the mean NLL of the group's tokens, by module. Groups without tokens are absent."""
-    from rolerl.train.policy import token_logprobs
-
     names, tensors = list(params), list(params.values())
     was = [p.requires_grad for p in tensors]
     for p in tensors:
@@ -116,43 +99,6 @@ def episode_gradients(
             by_module.setdefault(module_of(name), []).append(flat)
         out[group] = {m: torch.cat(parts) for m, parts in by_module.items()}
     return out
-
-
-@dataclass
-class Angle:
-    """One pair of partial gradients: overall cosine, per layer and per module, and the share of modules
-    whose cosine is negative (among modules where both gradients are nonzero)."""
-
-    cos: float
-    layers: dict[str, float]
-    modules: dict[str, float]
-    conflict_frac: float
-
-    @property
-    def degrees(self) -> float:
-        return math.degrees(math.acos(max(-1.0, min(1.0, self.cos))))
-
-
-def cosine(a: ModuleGrads, b: ModuleGrads) -> Angle | None:
-    """The angle between two gradients given by module (None if either is zero)."""
-    dots = {m: float(a[m].double() @ b[m].double()) for m in a}
-    na = {m: float(a[m].double().norm()) for m in a}
-    nb = {m: float(b[m].double().norm()) for m in b}
-    total_a, total_b = math.sqrt(sum(x * x for x in na.values())), math.sqrt(sum(x * x for x in nb.values()))
-    if total_a == 0 or total_b == 0:
-        return None
-    modules = {m: dots[m] / (na[m] * nb[m]) for m in a if na[m] > 0 and nb[m] > 0}
-    layers: dict[str, list[float]] = {}
-    for m in a:
-        layers.setdefault(layer_of(m), []).append(m)
-    per_layer = {}
-    for layer, ms in sorted(layers.items()):
-        la = math.sqrt(sum(na[m] ** 2 for m in ms))
-        lb = math.sqrt(sum(nb[m] ** 2 for m in ms))
-        if la > 0 and lb > 0:
-            per_layer[layer] = sum(dots[m] for m in ms) / (la * lb)
-    conflict = sum(c < 0 for c in modules.values()) / max(len(modules), 1)
-    return Angle(sum(dots.values()) / (total_a * total_b), per_layer, modules, conflict)
 
 
 @dataclass

@@ -189,8 +189,8 @@ def _hybrid_table(spec: EvalSpec, run: str, on_adapter) -> dict[str, dict[str, s
     """Each role: the run's adapter on the kinds `on_adapter` picks, the base model on the others."""
     from rolerl.config import load_config
     from rolerl.roles import KINDS
+    from rolerl.run.policy import build_topology
     from rolerl.tasks import load_task
-    from rolerl.train.policy import build_topology
     from rolerl.workflows import load_workflow
 
     cfg = load_config(Path(run) / "config.yaml")

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolerl.eval.metrics import binomial_stderr, majority_correct, pass_at_k
-from rolerl.tasks.base import Example, Task
+from rolerl.eval.metrics import binomial_stderr, pass_at_k
+from rolerl.tasks.base import Example, Task, majority_correct
 from rolerl.types import Episode
 from rolerl.workflows.base import pooled_measures, workflow_name
 
@@ -160,7 +160,7 @@ def rollouts(
     time through engines built for `policy`'s models: yields each chunk's examples and their episodes.
     Sampling seeds depend on the example's index, so a chunk samples the same tokens whatever ran before."""
     from rolerl.eval.evaluate import evaluate
-    from rolerl.train.rl import build_engines, role_calls
+    from rolerl.run.engines import build_engines, role_calls
 
     tool = spec.tool if spec.tool is not None else getattr(workflow, "tool", None)
     tool = None if tool == "none" else tool
@@ -192,19 +192,17 @@ def held_out(
     workflow,
     examples: Sequence[Example],
     step: int,
-    dist=None,
+    dist,
     backend=None,
 ) -> dict[str, float]:
     """The RL loop's periodic evaluation (`cfg.eval`) through the run's own engines (or `backend`: the run's
     vLLM backend, serving the adapters just synced): `summarize`'s metrics.
-    Its sampling seeds are its own (`eval`, example, sample), so training's samples do not change. Under
-    data parallelism (`dist`) each rank evaluates its share of the examples, seeded by their global index,
-    and every rank summarises all of them."""
+    Its sampling seeds are its own (`eval`, example, sample), so training's samples do not change. `dist`
+    is the run's process group (`rolerl.train.distributed.Dist`, `SINGLE` for one process): each rank
+    evaluates its share of the examples, seeded by their global index, and every rank summarises all."""
     from rolerl.eval.evaluate import evaluate
-    from rolerl.train.distributed import SINGLE
-    from rolerl.train.rl import role_calls
+    from rolerl.run.engines import role_calls
 
-    dist = dist or SINGLE
     e = cfg.eval
     ids = [i for i in range(len(examples)) if dist.owns(i)]
     result = evaluate(
@@ -301,8 +299,8 @@ def spec_examples(task: Task, spec: EvalSpec) -> list[Example]:
 def spec_policy(spec: EvalSpec, roles: Sequence[str]):
     """The policy to evaluate, its config, and what identifies it (model, adapters, checkpoint)."""
     from rolerl.config import load_config
-    from rolerl.train.checkpoint import checkpoints
-    from rolerl.train.policy import build_policy
+    from rolerl.run.layout import checkpoints
+    from rolerl.run.policy import build_policy
 
     identity: dict[str, Any] = {"model": spec.model, "dtype": spec.dtype}
     if spec.run:

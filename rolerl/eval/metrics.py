@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Hashable, Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -16,18 +14,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def majority_correct(samples: Sequence[tuple[Hashable | None, bool]]) -> bool:
-    """maj@k of one problem: whether the most frequent answer among its samples is a correct one.
-    `samples` are `(answer, correct)`; samples without an answer (None) do not vote. Ties go to the
-    answer seen first (deterministic, and no better informed than any other rule)."""
-    votes = Counter(a for a, _ in samples if a is not None)
-    if not votes:
-        return False
-    top = max(votes.values())
-    winner = next(a for a, _ in samples if a is not None and votes[a] == top)
-    return any(ok for a, ok in samples if a == winner)
 
 
 def binomial_stderr(p: float, n: int) -> float:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -42,3 +44,15 @@ def default_data_dir() -> Path:
     beside a development checkout of rolerl (as the tests' `shared_data` fixture)."""
     env = os.environ.get("ROLERL_SHARED_DATA")
     return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def majority_correct(samples: Sequence[tuple[Hashable | None, bool]]) -> bool:
+    """maj@k of one problem: whether the most frequent answer among its samples is a correct one.
+    `samples` are `(answer, correct)`; samples without an answer (None) do not vote. Ties go to the
+    answer seen first (deterministic, and no better informed than any other rule)."""
+    votes = Counter(a for a, _ in samples if a is not None)
+    if not votes:
+        return False
+    top = max(votes.values())
+    winner = next(a for a, _ in samples if a is not None and votes[a] == top)
+    return any(ok for a, ok in samples if a == winner)

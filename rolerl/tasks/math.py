@@ -1,5 +1,5 @@
 """Math benchmarks as tasks: GSM8K, MATH-500, MATH train, AIME 2024/2025 and AMC 2023, graded with
-`math-verify` through `MathGrader` (rolerl/eval/math_grader.py).
+`math-verify` through `MathGrader` (rolerl/tasks/math_grader.py).
 
     task = math_task("math500")                       # ../shared/data/math/math500_test.jsonl
     task = math_task("gsm8k", "/data/gsm8k/test.jsonl")
@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rolerl.eval.math_grader import (
+from rolerl.roles import Tags
+from rolerl.tasks.base import Example, Messages, default_data_dir
+from rolerl.tasks.math_grader import (
     ANSWER_SOURCES,
     AnswerSource,
     Grade,
@@ -36,8 +38,6 @@ from rolerl.eval.math_grader import (
     extract_tagged,
     final_answer,
 )
-from rolerl.roles import Tags
-from rolerl.tasks.base import Example, Messages, default_data_dir
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from rolerl.eval.qa_metrics import exact_match, extract_answer, f1, normalize_answer
 from rolerl.roles import Tags
 from rolerl.tasks.base import Example, Messages, default_data_dir
+from rolerl.tasks.qa_metrics import exact_match, extract_answer, f1, normalize_answer
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A built-in task family for tool-integrated reasoning: procedurally generated word problems with exact
 integer answers, seeded train/test splits, an answer checker, and programmatic demonstrations.
 
-The families come in two groups (docs/RESULTS.md has the probe that chose them):
+The families come in two groups (docs/history/RESULTS-history.md has the probe that chose them):
 
 - `FORMAT_FAMILIES` teach the format by imitation: a bare expression and one-step word problems (add,
   take away, groups of, three people's total, one unit conversion, the cost of several things). A warm
@@ -214,7 +214,7 @@ FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
     "times": _times,
 }
 FORMAT_FAMILIES: tuple[str, ...] = ("arith", "add", "sub", "mul", "add3", "convert", "cost")
-# Chosen by the probe in docs/RESULTS.md: warm-start pass@8 well above pass@1 and below saturation.
+# Chosen by the probe in docs/history/RESULTS-history.md: warm-start pass@8 well above pass@1, below saturation.
 RL_FAMILIES: tuple[str, ...] = ("distractor", "units", "groups", "share", "times")
 # Every candidate the probe measures; two_step and change had pass@8 = 0 (nothing for RL to sharpen),
 # difference a pass@1 near 1 (nothing left to gain).

@@ -41,11 +41,11 @@ from torch import nn
 
 from rolerl.config import Config
 from rolerl.models.adapters_io import CorruptFileError, load_adapter, save_adapter
+from rolerl.run.layout import checkpoints
 from rolerl.train.distributed import fault_point
 from rolerl.train.optim import Optimizer, OptimizerStateError
 
 log = logging.getLogger(__name__)
-STEP_DIR = re.compile(r"^step_(\d+)$")
 _WARNED = False
 # What a run writes into its directory: what `--overwrite` removes (checkpoints first: see `clear_run`)
 RUN_FILES = ("checkpoints", "adapters", "metrics.jsonl", "tensorboard", "wandb", "config.yaml")
@@ -261,15 +261,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first (temp directories are not listed)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return sorted(found)
 
 
 def save_checkpoint(

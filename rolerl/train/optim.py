@@ -1,9 +1,9 @@
-"""Parameter groups, the optimizer, the learning-rate schedule and gradient clipping, in one place (RL and
-imitation both build theirs here).
+"""The optimizer, the learning-rate schedule and gradient clipping, in one place (RL and imitation both
+build theirs here).
 
-Every trainable adapter is one AdamW parameter group, named after it, with its own peak learning rate
-(`adapters.per_adapter.<name>.lr`, else `optim.lr` x the `lr_scale` of the roles it serves). Clipping is
-over all groups at once or each group alone (`optim.clip_scope`). A group is stepped only when one of its
+Every trainable adapter is one AdamW parameter group (`rolerl.run.policy.ParamGroup`), named after it,
+with its own peak learning rate (`adapters.per_adapter.<name>.lr`, else `optim.lr` x the `lr_scale` of the
+roles it serves). Clipping is over all groups at once or each group alone (`optim.clip_scope`). A group is stepped only when one of its
 parameters received a gradient (AdamW would otherwise move it through momentum and weight decay), and
 every group counts its own steps. The state is saved by adapter and parameter name, not by position, so
 resuming under another topology fails with the names that differ instead of loading misaligned moments.
@@ -11,8 +11,9 @@ resuming under another topology fails with the names that differ instead of load
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,43 +21,12 @@ import torch
 from torch import nn
 
 from rolerl.config import OptimConfig
-from rolerl.models.lora import adapter_specs, routed_layers
+from rolerl.models.lora import adapter_specs
+from rolerl.run.policy import ParamGroup, Policy, adapter_groups
 
 
 class OptimizerStateError(ValueError):
     """A saved optimizer state that does not fit this run's adapters (a topology or rank change)."""
-
-
-@dataclass
-class ParamGroup:
-    """One adapter's trainable parameters, by name (`<layer path>.lora_A` / `.lora_B`)."""
-
-    name: str
-    params: dict[str, nn.Parameter]
-    lr: float  # peak learning rate; the schedule multiplies it
-    model: str = "main"  # the model the adapter lives in
-
-
-def adapter_groups(
-    models: Mapping[str, nn.Module], lrs: Mapping[str, float], frozen: Sequence[str] = ()
-) -> list[ParamGroup]:
-    """One `ParamGroup` per adapter of every model (adapter names are unique across models), in model then
-    route-index order; `frozen` adapters get `requires_grad=False` and no group. `lrs[name]` is each
-    trainable adapter's peak lr."""
-    groups = []
-    for model_name, model in models.items():
-        for name in adapter_specs(model):
-            params = {}
-            for path, layer in routed_layers(model):
-                if name in layer.lora_A:
-                    params[f"{path}.lora_A"] = layer.lora_A[name]
-                    params[f"{path}.lora_B"] = layer.lora_B[name]
-            if name in frozen:
-                for p in params.values():
-                    p.requires_grad_(False)
-                continue
-            groups.append(ParamGroup(name, params, lrs[name], model_name))
-    return groups
 
 
 @dataclass
@@ -207,6 +177,13 @@ def lr_factor(step: int, total_steps: int, o: OptimConfig) -> float:
         return 1.0
     progress = min((step - o.warmup_steps) / max(total_steps - o.warmup_steps, 1), 1.0)
     return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def policy_optimizer(policy: Policy, cfg: OptimConfig, lr: float | None = None) -> Optimizer:
+    """AdamW over `policy`'s trainable adapters, one group each; `lr` replaces every group's peak lr (SFT)."""
+    policy.trainable()  # its error when there is nothing to train
+    groups = policy.groups if lr is None else [dataclasses.replace(g, lr=lr) for g in policy.groups]
+    return Optimizer(groups, cfg)
 
 
 def model_optimizer(model: nn.Module, lr: float = 1e-3, **optim: Any) -> Optimizer:

@@ -16,7 +16,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +25,18 @@ import torch
 
 from rolerl.algorithms import zero_variance_mask
 from rolerl.config import Config, ConfigError, load_config
-from rolerl.diagnostics.grad_conflict import role_gradients
 from rolerl.eval.harness import held_out
-from rolerl.hardware import bf16_choice, resolve_precision
+from rolerl.hardware import bf16_choice
 from rolerl.heap import keep_freed_memory
 from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
-from rolerl.rollout.engine import Engine, rollout_copy
+from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
 from rolerl.rollout.scheduler import EngineBackend, ModelRouter, RolloutBackend
+from rolerl.rollout.vllm_checks import resolve_backend
+from rolerl.run.engines import build_engines, role_calls
+from rolerl.run.policy import Policy, build_policy, resolve_device
 from rolerl.tasks import Example, Task, load_task
 from rolerl.train.checkpoint import (
     Completed,
@@ -59,12 +61,13 @@ from rolerl.train.distributed import (
     stopping,
 )
 from rolerl.train.distributed import close as close_dist
+from rolerl.train.grad_conflict import role_gradients
 from rolerl.train.monitor import ToolHealth, episode_metrics, sampled_tokens, ticker
-from rolerl.train.optim import Optimizer, lr_factor
-from rolerl.train.policy import Policy, build_policy, resolve_device
+from rolerl.train.optim import Optimizer, lr_factor, policy_optimizer
+from rolerl.train.pipeline import RolloutPipeline, staleness, stamp_versions
 from rolerl.train.update import LossSettings, Part, Schedule, ppo_update
 from rolerl.types import Episode, Turn, collate
-from rolerl.workflows import Context, RoleCalls, Workflow, derive_seed, load_workflow
+from rolerl.workflows import Context, Workflow, derive_seed, load_workflow
 from rolerl.workflows.base import workflow_name
 
 log = logging.getLogger(__name__)
@@ -135,16 +138,24 @@ def _train(
     if cfg.train.heap == "keep":
         keep_freed_memory()  # every update reuses the pages of the one before (rolerl.heap)
     given = cfg  # written as the user gave it: a resume resolves its `auto`s again on its own machine
+    cfg, why = resolve_backend(cfg, policy)
+    if given.rollout.backend == "auto":
+        log.info(why)
     cfg, why = resolve_old_logp(cfg, policy)
     if given.algorithm.old_logp == "auto":
         log.info(why)
     params = policy.trainable()
-    optimizer = policy.optimizer(cfg.optim)
+    optimizer = policy_optimizer(policy, cfg.optim)
     seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
     start = _restore(cfg, policy, optimizer, dist) if resume else 0  # RNG states restored too
     dist.broadcast(params)  # the ranks start from rank 0's adapters (seeded alike; this makes sure)
     evaluation = _held_out_set(cfg, task) if cfg.eval.every else None
-    engines = _engines(cfg, policy)  # before any write: a tool that cannot work here stops the run now
+    if cfg.train.max_staleness and dist.active:
+        raise ConfigError("train.max_staleness runs in one process for now; run it without torchrun")
+    # before any write: a tool that cannot work here stops the run now; asynchronous training samples from
+    # a copy (the trainer updates while it samples) and evaluates through engines over the trainer's model
+    engines = _engines(cfg, policy, copy=bool(cfg.train.max_staleness))
+    scorers = _engines(cfg, policy) if cfg.train.max_staleness and evaluation is not None else engines
     run = RunDir(
         cfg.run.dir,
         tensorboard=cfg.run.tensorboard,
@@ -157,6 +168,14 @@ def _train(
     backend = _backend(cfg, engines, policy)
     backend.sync(policy)  # a backend with its own copy of the weights (vLLM) serves the current adapters
     last = min(cfg.train.steps, stop_after) if stop_after is not None else cfg.train.steps
+    pipeline = None
+    if cfg.train.async_lag:  # rollouts in a background thread, up to max_staleness steps behind
+        generate = functools.partial(
+            rollout_step, cfg, policy=policy, backend=backend, task=task, workflow=workflow
+        )
+        pipeline = RolloutPipeline(
+            backend, policy, optimizer.steps, generate, lag=cfg.train.async_lag, start=start, last=last
+        )
     done = Completed(start, saved=start)
     undo = StepUndo(params, optimizer)
     try:
@@ -178,13 +197,14 @@ def _train(
                     report=report,
                     health=health,
                     dist=dist,
+                    pipeline=pipeline,
                 )
                 metrics["lr"] = lr
                 if evaluation is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                     report("evaluating on held-out examples")
                     # through vLLM too when it samples the rollouts (it serves the adapters just synced)
                     via = backend if cfg.rollout.backend == "vllm" else None
-                    scores = held_out(cfg, policy, engines, *evaluation, step, dist=dist, backend=via)
+                    scores = held_out(cfg, policy, scorers, *evaluation, step, dist=dist, backend=via)
                     metrics |= {f"eval/{k}": v for k, v in scores.items()}
                 run.log(metrics)
                 done.complete(step, lr)
@@ -213,8 +233,10 @@ def _train(
         raise
     finally:
         undo.close()
+        if pipeline is not None:
+            pipeline.close()
         backend.close()
-        for engine in engines.values():
+        for engine in {id(e): e for e in [*engines.values(), *scorers.values()]}.values():
             for tool in engine.tools.values():  # e.g. the sandbox's worker processes
                 getattr(tool, "close", lambda: None)()
         run.close()
@@ -328,23 +350,27 @@ def train_step(
     report: Callable[[str], None] | None = None,
     health: ToolHealth | None = None,
     dist: Dist = SINGLE,
+    pipeline: RolloutPipeline | None = None,
 ) -> dict[str, float]:
     """One RL step; returns its flat metrics dict. `report` receives a short progress text now and then
     (rollout tokens, update micro-batches) for a progress bar. Under data parallelism (`dist`) this rank
-    rolls out its own tasks, every rank sees every episode, and the update computes this rank's rows."""
+    rolls out its own tasks, every rank sees every episode, and the update computes this rank's rows.
+    With a `pipeline` (`train.max_staleness` >= 1) the step's episodes come from its background thread,
+    and the updated adapters are published to it instead of synced to the backend."""
     report = report or (lambda text: None)
     t0 = time.perf_counter()
     # 1. tasks, and n episodes of each through the workflow, all concurrently (one batched engine per model)
-    examples = task.examples(
-        cfg.task.split, cfg.train.tasks_per_step, derive_seed(cfg.run.seed, "tasks", step)
-    )
-    before = sampled_tokens(backend)
-    with ticker(lambda: report(f"rollout: {sampled_tokens(backend) - before} tokens sampled")):
-        mine = asyncio.run(rollout(cfg, step, policy, backend, workflow, examples, dist))
-    episodes = dist.interleave(mine, len(examples), cfg.rollout.n)  # every rank: the whole step, in order
+    if pipeline is None:
+        stamp_versions(backend, policy, optimizer.steps)  # each token records its adapter's version
+        before = sampled_tokens(backend)
+        with ticker(lambda: report(f"rollout: {sampled_tokens(backend) - before} tokens sampled")):
+            episodes = rollout_step(cfg, step, policy, backend, task, workflow, dist)
+        backend.sleep()  # the update's activations may take the memory only sampling needed
+    else:
+        report("waiting for the rollout thread")
+        episodes = pipeline.episodes(step)
     if health is not None:
         health.check(step, episodes)
-    backend.sleep()  # the update's activations may take the memory only sampling needed
     t1 = time.perf_counter()
     # 2. rewards (the credit rule) -> advantages over the configured groups, each episode counted once
     credit = turn_rewards(episodes, cfg.algorithm)
@@ -352,6 +378,11 @@ def train_step(
     own = [dist.owns(e // cfg.rollout.n) for e, ep in enumerate(episodes) for _ in ep.turns]  # as `turns`
     metrics: dict[str, float] = {"step": step} | episode_metrics(episodes, policy, workflow_name(workflow))
     keep = list(range(len(turns)))
+    ages, stale = staleness(turns, policy, optimizer.steps, cfg.train.max_staleness)
+    metrics |= ages
+    if pipeline is not None:  # tokens too far behind their own adapter carry no loss
+        keep = sorted(set(keep) - set(stale))
+        metrics["async/dropped_turns"] = float(len(stale))
     if cfg.algorithm.filter_zero_variance and turns:
         flat = zero_variance_mask(rewards, keys)
         keep = [i for i in keep if not bool(flat[i])]
@@ -381,10 +412,30 @@ def train_step(
             progress=lambda done, total: report(f"update {done}/{total} micro-batches"),
             dist=dist,
         )
-        metrics |= backend.sync(policy)  # the next rollout samples from the updated adapters
+        if pipeline is None:
+            metrics |= backend.sync(policy)  # the next rollout samples from the updated adapters
+    if pipeline is not None:  # every step, trained or not: the rollout thread waits for each version
+        metrics |= pipeline.publish(step, policy, optimizer.steps)
     t2 = time.perf_counter()
     metrics |= {"time/rollout": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0}
     return metrics
+
+
+def rollout_step(
+    cfg: Config,
+    step: int,
+    policy: Policy,
+    backend: RolloutBackend,
+    task: Task,
+    workflow: Workflow,
+    dist: Dist = SINGLE,
+) -> list[Episode]:
+    """Step `step`'s tasks (a pure function of the seed and the step) and their episodes, every rank's."""
+    examples = task.examples(
+        cfg.task.split, cfg.train.tasks_per_step, derive_seed(cfg.run.seed, "tasks", step)
+    )
+    mine = asyncio.run(rollout(cfg, step, policy, backend, workflow, examples, dist))
+    return dist.interleave(mine, len(examples), cfg.rollout.n)  # every rank: the whole step, in order
 
 
 def schedule(cfg: Config) -> Schedule:
@@ -488,31 +539,6 @@ async def rollout(
     return list(await asyncio.gather(*runs))
 
 
-def role_calls(cfg: Config, policy: Policy) -> dict[str, RoleCalls]:
-    """Each role's model, tokenizer and call settings (`roles.<r>`), for `Context`."""
-    out = {}
-    for role in policy.route_of:
-        rc = cfg.roles.get(role)
-        model = policy.topology.model(role)
-        out[role] = RoleCalls(
-            model=model,
-            tokenizer=policy.members[model].tokenizer,
-            max_new_tokens=rc.max_new_tokens if rc else None,
-            top_p=rc.top_p if rc else None,
-            max_tool_calls=rc.max_tool_calls if rc else None,
-            tool=rc.tool if rc else None,
-            stop=tuple(rc.stop or ()) if rc else (),
-            tags=dict(rc.tags or {}) if rc else {},
-        )
-    return out
-
-
-def run_tools(cfg: Config, default: str | None) -> list[str]:
-    """The engine tools a run's calls may call: `default` (the run's tool) and each role's own."""
-    names = [default, *(rc.tool for rc in cfg.roles.values())]
-    return list(dict.fromkeys(n for n in names if n and n != "none"))
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -530,60 +556,14 @@ def _held_out_set(cfg: Config, task: Task) -> tuple[Task, Workflow, list[Example
     return held, load_workflow(cfg.task.workflow, held, cfg.task.workflow_options), examples
 
 
-def _engines(cfg: Config, policy: Policy) -> dict[str, Engine]:
+def _engines(cfg: Config, policy: Policy, copy: bool = False) -> dict[str, Engine]:
     """One rollout engine per model, with the run's tool, started now: a tool that cannot work on this
-    machine (the sandbox without root, say) fails here with its own error, before any step."""
+    machine (the sandbox without root, say) fails here with its own error, before any step. `copy`: over
+    a copy of the model (`build_engines`)."""
     options = dict(cfg.rollout.tool_options) if cfg.rollout.tool_options else {}
-    return build_engines(cfg, policy, cfg.rollout.tool, options, cfg.rollout.max_batch, cfg.rollout.max_len)
-
-
-def build_engines(
-    cfg: Config,
-    policy: Policy,
-    tool: str | None,
-    options: Mapping[str, Any],
-    max_batch: int,
-    max_len: int | None = None,
-) -> dict[str, Engine]:
-    """One engine per model of `policy`, each with the tools its calls may call (`run_tools`: `tool` and
-    every role's own; `options` are `tool`'s factory's)."""
-    from rolerl.tools import build_tools
-
-    names = run_tools(cfg, tool)
-    kwargs = {tool: dict(options)} if options and tool in names else {}
-    dtype = rollout_dtype(cfg, policy)
-    engines = {}
-    for name, m in policy.members.items():
-        model, source = m.model, None
-        if dtype is not None and dtype != next(m.model.parameters()).dtype:
-            model, source = rollout_copy(m.model, dtype), m.model
-        engines[name] = Engine(model, m.tokenizer, max_batch=max_batch, max_len=max_len,
-                               tools=build_tools(names, **kwargs), source=source,
-                               kernels=cfg.rollout.kernels, attention=cfg.rollout.attention,
-                               adapter_kernel=cfg.rollout.adapter_kernel,
-                               tied_head=cfg.rollout.tied_head, pointwise=cfg.rollout.pointwise)  # fmt: skip
-    return engines
-
-
-def rollout_dtype(cfg: Config, policy: Policy) -> torch.dtype | None:
-    """The engines' weights dtype (`rollout.dtype`), None = the trainer's own weights. Sampling in another
-    precision than the trainer computes in makes the rollout's log-probs another distribution's: the
-    trainer must recompute them (`algorithm.old_logp: recompute`; `tis_cap` corrects the sampling)."""
-    name = cfg.rollout.dtype
-    if name == "model":
-        return None
-    if name == "auto":
-        name = resolve_precision("auto", policy.device, "rollout.dtype")
-        if name == "float32":
-            return None
-    dtype = torch.bfloat16 if name == "bfloat16" else torch.float32
-    weights = {next(m.model.parameters()).dtype for m in policy.members.values()}
-    if weights != {dtype} and cfg.algorithm.old_logp == "rollout":
-        raise ConfigError(
-            f"rollout.dtype={cfg.rollout.dtype!r} samples in {dtype} while the trainer's weights are "
-            f"{sorted(map(str, weights))}: set algorithm.old_logp=recompute (and algorithm.tis_cap, e.g. 2.0)"
-        )
-    return dtype
+    return build_engines(
+        cfg, policy, cfg.rollout.tool, options, cfg.rollout.max_batch, cfg.rollout.max_len, copy=copy
+    )
 
 
 def resolve_old_logp(cfg: Config, policy: Policy) -> tuple[Config, str]:
@@ -595,11 +575,16 @@ def resolve_old_logp(cfg: Config, policy: Policy) -> tuple[Config, str]:
     alg = cfg.algorithm
     if alg.old_logp != "auto":
         return cfg, f"algorithm.old_logp={alg.old_logp}"
+    cfg = resolve_backend(cfg, policy)[
+        0
+    ]  # rollout.backend: auto (callers outside `train` pass it unresolved)
     weights = {next(m.model.parameters()).dtype for m in policy.members.values()}
     name = cfg.rollout.dtype
     if name == "auto":
         name = "bfloat16" if bf16_choice(policy.device)[0] else "model"
-    if cfg.rollout.backend == "vllm":
+    if cfg.train.max_staleness:
+        mode, why = "recompute", "asynchronous rollouts sample from older adapters (decoupled PPO)"
+    elif cfg.rollout.backend == "vllm":
         mode, why = "recompute", "vLLM samples with its own kernels"
     elif policy.bf16:
         mode, why = "recompute", "training autocasts to bf16, the rollout does not"

@@ -42,9 +42,10 @@ from rolerl.roles import (
     splice_tokenize,
     split_segments,
 )
+from rolerl.run.policy import Policy, build_policy
 from rolerl.train.checkpoint import RunDir, prepare_run_dir
-from rolerl.train.optim import lr_factor
-from rolerl.train.policy import Policy, autocast, build_policy, select_rows, token_logprobs
+from rolerl.train.optim import lr_factor, policy_optimizer
+from rolerl.train.policy import autocast, select_rows, token_logprobs
 from rolerl.types import TrainBatch, Turn, collate
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def sft(
     loss_kinds = None if every_kind else {role: policy.topology.loss_kinds(role) for role in roles}
     parts = _parts(policy, turns, roles, loss_kinds)
     steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
-    optimizer = policy.optimizer(cfg.optim, lr=cfg.sft.lr)
+    optimizer = policy_optimizer(policy, cfg.optim, lr=cfg.sft.lr)
     if cfg.train.heap == "keep":
         keep_freed_memory()  # every step reuses the pages of the one before (rolerl.heap)
     run = RunDir(

@@ -340,7 +340,8 @@ def accumulate_gradients(
         logp_all[rows, : width - 1] = logp.to(logp_all.dtype)
         # Dropped before the next micro-batch's forward, not when it returns and rebinds the names. They
         # hold little once backward has run, but alive through that forward they cost 1.1-2.3 GB of peak
-        # RSS in a 512-token GRPO step (docs/BENCHMARKS.md, round six): the heap fragments around them.
+        # RSS in a 512-token GRPO step (docs/history/BENCHMARKS-history.md, GRPO round six): the heap
+        # fragments around them.
         del weighted, metrics, logp
         tick()
     return total, sums, logp_all

@@ -11,18 +11,12 @@ import math
 import pytest
 import torch
 
-from rolerl.diagnostics.conflict import (
-    ConflictReport,
-    cosine,
-    episode_gradients,
-    layer_of,
-    module_of,
-    select_params,
-)
+from rolerl.diagnostics.conflict import ConflictReport, episode_gradients, select_params
 from rolerl.models.lora import add_adapters
 from rolerl.models.tiny import tiny_model
 from rolerl.models.topology import Topology
 from rolerl.roles import PROMPT, shift
+from rolerl.train.grad_conflict import cosine, layer_of, module_of
 from rolerl.train.policy import token_logprobs
 from rolerl.types import Episode, Turn, collate
 from tests.tolerance import assert_close_ulps

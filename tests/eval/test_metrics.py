@@ -44,7 +44,7 @@ def test_eval_result_accuracy_pass_at_k_and_families():
 
 
 def test_majority_vote_by_hand():
-    from rolerl.eval.metrics import majority_correct
+    from rolerl.tasks.base import majority_correct
 
     assert majority_correct([("4", True), ("5", False), ("4", True)])
     assert not majority_correct([("5", False), ("4", True), ("5", False)])

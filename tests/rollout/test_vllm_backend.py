@@ -274,7 +274,7 @@ def test_training_runs_through_the_vllm_backend(tmp_path, monkeypatch, tokenizer
 def test_vllm_config_refuses_what_it_cannot_honour(tokenizer):
     from rolerl.config import ConfigError, load_config
     from rolerl.rollout.vllm_backend import check_vllm_config
-    from rolerl.train.policy import build_policy
+    from rolerl.run.policy import build_policy
 
     def check(*sets):
         cfg = load_config(None, ["model.spec=tiny:llama", "rollout.backend=vllm", *sets])

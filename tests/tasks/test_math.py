@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from rolerl.eval.math_grader import MathGrader
 from rolerl.tasks.base import Example, Task
 from rolerl.tasks.math import BENCHMARKS, MathTask, load_benchmark, math_task
+from rolerl.tasks.math_grader import MathGrader
 
 # (benchmark, split) -> rows kept. math_train: 7500 rows, 4 with an empty answer (SOURCES.md) and one more
 # whose gold the source's normalisation broke: row 6811 `2007+\frac{\}{p}i2` (its solution's box says

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from rolerl.eval.qa_metrics import exact_match, extract_answer, f1, normalize_answer
 from rolerl.tasks.base import Example, Task
 from rolerl.tasks.qa import SEARCH_R1_TAGS, QATask, build_dataset, load_qa_file, qa_task
+from rolerl.tasks.qa_metrics import exact_match, extract_answer, f1, normalize_answer
 
 # ---- metrics ---------------------------------------------------------------------------------------------
 

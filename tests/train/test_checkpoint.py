@@ -12,6 +12,7 @@ import pytest
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rolerl.models.adapters_io import CorruptFileError
+from rolerl.run.policy import build_policy
 from rolerl.train.checkpoint import (
     CheckpointError,
     RunDir,
@@ -22,8 +23,7 @@ from rolerl.train.checkpoint import (
     load_newest,
     save_checkpoint,
 )
-from rolerl.train.optim import lr_factor
-from rolerl.train.policy import build_policy
+from rolerl.train.optim import lr_factor, policy_optimizer
 from rolerl.train.rl import train
 from rolerl.workflows import SingleTurn
 from tests.train.test_rl import strip_time, tiny_config
@@ -189,7 +189,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
 def test_load_newest_skips_damaged_files_and_names_the_last_one(tmp_path, caplog):
     cfg = tiny_config(tmp_path)
     policy = build_policy(cfg, ["policy"])
-    optimizer = policy.optimizer(cfg.optim)
+    optimizer = policy_optimizer(policy, cfg.optim)
     adapters = {"policy": policy.model}
     for step in (1, 2):
         save_checkpoint(tmp_path, step, adapters, optimizer, keep_last=3)

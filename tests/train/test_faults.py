@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from rolerl.config import ConfigError
+from rolerl.run.policy import build_policy
 from rolerl.train import checkpoint as ckpt
 from rolerl.train.checkpoint import (
     CheckpointWriteError,
@@ -31,7 +32,7 @@ from rolerl.train.checkpoint import (
     save_checkpoint,
 )
 from rolerl.train.distributed import FAULT_ENV
-from rolerl.train.policy import build_policy
+from rolerl.train.optim import policy_optimizer
 from tests.train.test_checkpoint import SHORT, metrics, run
 from tests.train.test_distributed import ROOT, WORKER, adapters, assert_runs_match
 from tests.train.test_distributed import metrics as run_metrics
@@ -242,9 +243,8 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, 
     monkeypatch.undo()
     cfg = tiny_config(run_dir, *SHORT, "train.steps=3")
     policy = build_policy(cfg, ["policy"])
-    assert (
-        load_checkpoint(root / "step_1", {"policy": policy.model}, policy.optimizer(cfg.optim))["step"] == 1
-    )
+    optimizer = policy_optimizer(policy, cfg.optim)
+    assert load_checkpoint(root / "step_1", {"policy": policy.model}, optimizer)["step"] == 1
     assert main(["train", "--resume", str(run_dir)]) == 0
     assert strip_time(metrics(run_dir)) == want
 
@@ -252,7 +252,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, 
 def test_checkpoint_write_error_says_full_disk_and_keeps_errno(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path)
     policy = build_policy(cfg, ["policy"])
-    optimizer = policy.optimizer(cfg.optim)
+    optimizer = policy_optimizer(policy, cfg.optim)
     monkeypatch.setattr(torch, "save", enospc_after(100, "state.pt"))
     with pytest.raises(CheckpointWriteError) as error:
         save_checkpoint(tmp_path, 1, {"policy": policy.model}, optimizer, keep_last=2)
@@ -267,7 +267,7 @@ def test_a_crash_while_deleting_an_old_checkpoint_never_leaves_half_of_one(tmp_p
     one damaged)."""
     cfg = tiny_config(tmp_path)
     policy = build_policy(cfg, ["policy"])
-    optimizer = policy.optimizer(cfg.optim)
+    optimizer = policy_optimizer(policy, cfg.optim)
     save_checkpoint(tmp_path, 1, {"policy": policy.model}, optimizer, keep_last=1)
     real = ckpt.shutil.rmtree
 

@@ -137,7 +137,8 @@ def test_a_model_whose_rows_are_all_inert_still_steps_its_adapter(tokenizer):
     import rolerl
     from rolerl.config import OptimConfig
     from rolerl.models.topology import Topology
-    from rolerl.train.optim import Optimizer, adapter_groups
+    from rolerl.run.policy import adapter_groups
+    from rolerl.train.optim import Optimizer
     from tests.models.test_lora import randomize_adapters
 
     def build():

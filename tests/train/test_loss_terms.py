@@ -218,7 +218,7 @@ def test_role_loss_weights_scale_their_roles_gradient(tokenizer, monkeypatch, sh
 
 def test_role_coefficients_and_loss_weights_reach_the_loss_settings(tmp_path):
     """`roles.<r>.loss_weight` and `roles.<r>.entropy_coef` from the config are what the update gets."""
-    from rolerl.train.policy import build_policy
+    from rolerl.run.policy import build_policy
     from rolerl.train.rl import loss_settings
     from tests.train.test_rl import tiny_config
 

@@ -8,7 +8,7 @@ import torch
 from rolerl.algorithms import AggNorm
 from rolerl.config import load_config
 from rolerl.roles import KIND_INDEX, TOOL_CALL
-from rolerl.train.policy import build_policy
+from rolerl.run.policy import build_policy
 from rolerl.train.sft import demonstration_turns, sft_loss
 from rolerl.types import collate
 

@@ -12,8 +12,9 @@ import torch
 from rolerl.cli import main
 from rolerl.config import load_config
 from rolerl.models.adapters_io import load_adapter
+from rolerl.run.policy import build_policy
 from rolerl.train.checkpoint import RunDir, checkpoints, clean_partial, save_checkpoint
-from rolerl.train.policy import build_policy
+from rolerl.train.optim import policy_optimizer
 from rolerl.train.rl import train
 from rolerl.workflows import SingleTurn
 from tests.workflows.test_single_turn import EchoTask
@@ -155,7 +156,7 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 def test_checkpoints_keep_last_k_and_are_atomic(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path)
     policy = build_policy(cfg, ["policy"])
-    opt = policy.optimizer(cfg.optim)
+    opt = policy_optimizer(policy, cfg.optim)
     sched = torch.optim.lr_scheduler.LambdaLR(opt.torch, lambda s: 1.0)
     for step in range(1, 5):
         save_checkpoint(tmp_path, step, {"policy": policy.model}, opt, sched, keep_last=2)

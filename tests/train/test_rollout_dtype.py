@@ -12,9 +12,9 @@ import rolerl
 from rolerl.config import ConfigError, load_config
 from rolerl.rollout.engine import Engine, GenerationRequest, rollout_copy
 from rolerl.rollout.sampling import SamplingParams
+from rolerl.run.policy import build_policy
 from rolerl.train import update
 from rolerl.train.checkpoint import RunDir
-from rolerl.train.policy import build_policy
 from rolerl.train.rl import loss_settings, resolve_old_logp, train
 from rolerl.workflows import SingleTurn
 from tests.train.test_rl import tiny_config

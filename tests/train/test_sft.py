@@ -178,7 +178,7 @@ def test_cli_sft(tmp_path, capsys):
 
 
 def test_rl_starts_from_sft_adapters(tmp_path, caplog):
-    from rolerl.train.policy import build_policy
+    from rolerl.run.policy import build_policy
 
     data = tmp_path / "demos.jsonl"
     data.write_text(json.dumps(dict(CONVERSATION, role="solver")) + "\n")

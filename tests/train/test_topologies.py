@@ -14,10 +14,11 @@ from rolerl.models.lora import adapter_specs
 from rolerl.models.topology import Topology
 from rolerl.roles import KINDS
 from rolerl.rollout.sampling import SamplingParams
+from rolerl.run.engines import run_tools
+from rolerl.run.policy import build_policy
 from rolerl.train.checkpoint import RunDir, checkpoints
 from rolerl.train.optim import OptimizerStateError
-from rolerl.train.policy import build_policy
-from rolerl.train.rl import run_tools, train
+from rolerl.train.rl import train
 from rolerl.workflows.base import Context, RoleCalls
 from tests.train.test_rl import SolverJudge, strip_time, tiny_config
 from tests.workflows.scripted import ScriptedBackend

@@ -392,8 +392,8 @@ def test_cpu_bf16_training_attention_is_eager_only_while_its_scores_fit_the_kept
     """Eager attention builds a `(B, H, T, T)` block of fp32 scores per layer; past `EAGER_MAX_SCORES` (the
     largest block the kept heap serves) the trainer keeps SDPA, at any row count; without autocast, SDPA."""
     import rolerl.train.policy as policy
+    from rolerl.models import lean_ops
     from rolerl.models.attention import GROUPED_SDPA, LEAN_EAGER
-    from rolerl.train import lean_ops
 
     model, _ = tiny
     eager = LEAN_EAGER if model.config.model_type in lean_ops.FAMILIES else "eager"

@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rolerl.eval.math_grader import (
+from rolerl.tasks.math import load_benchmark
+from rolerl.tasks.math_grader import (
     MathGrader,
     extract_boxed,
     extract_tagged,
     final_answer,
     last_number,
 )
-from rolerl.tasks.math import load_benchmark
 
 HANGS = "9^{9^{9}}"  # sympy evaluates 9^387420489 exactly: minutes of CPU at 100%
 

@@ -9,7 +9,7 @@ per-answer timeout: a worker that overruns is killed and replaced (a running sym
 cancelled any other way) and that answer is graded wrong with `timed_out=True`.
 
 A worker is a plain subprocess running this file as a script (`runpy.run_path`), not importing
-`rolerl.eval.math_grader`: the package import would pull in `rolerl.eval`'s evaluation stack and torch
+`rolerl.tasks.math_grader`: the package import would pull in `rolerl.tasks`' task registry and torch
 (~1.4 s and ~170 MB per worker). So this module imports only the standard library at the top;
 `math_verify` is imported inside the workers. The timeout needs `select` on pipes (Linux, macOS).
 

@@ -6,7 +6,8 @@ rule, and roles, or reasoning and tool use, whose gradients point apart interfer
 One backward per group over that group's tokens with the step's PPO loss and advantages, with the group's
 own normaliser (its loss as if it trained alone), at the weights the step's rollout used; the gradients are
 cleared afterwards, so the update that follows is unchanged (it costs one extra forward and backward per
-group). `rolerl diagnose grad-conflict` is the standalone, per-trajectory measurement (`conflict.py`).
+group). `rolerl diagnose grad-conflict` is the standalone, per-trajectory measurement
+(`rolerl.diagnostics.conflict`, built on `cosine` here).
 """
 
 from __future__ import annotations
@@ -14,18 +15,71 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from rolerl.algorithms import AggNorm
-from rolerl.diagnostics.conflict import ModuleGrads, cosine, module_of
 from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
 from rolerl.train.distributed import SINGLE, Dist
 from rolerl.train.optim import Optimizer
 from rolerl.train.policy import select_rows
 from rolerl.train.update import Aligned, LossSettings, Part, accumulate_gradients
 from rolerl.types import TrainBatch
+
+ModuleGrads = dict[str, torch.Tensor]  # module name -> its parameters' gradient, flattened (float32)
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def module_of(param_name: str) -> str:
+    """The module a parameter belongs to: `...q_proj.lora_A.tool` -> `...q_proj`, `...q_proj.weight` ->
+    `...q_proj`."""
+    name = re.sub(r"\.lora_[AB]\.[^.]+$", "", param_name)
+    return re.sub(r"\.(weight|bias)$", "", name)
+
+
+def layer_of(module: str) -> str:
+    m = _LAYER.search(module)
+    return f"layer {int(m.group(1)):02d}" if m else "other"
+
+
+@dataclass
+class Angle:
+    """One pair of partial gradients: overall cosine, per layer and per module, and the share of modules
+    whose cosine is negative (among modules where both gradients are nonzero)."""
+
+    cos: float
+    layers: dict[str, float]
+    modules: dict[str, float]
+    conflict_frac: float
+
+    @property
+    def degrees(self) -> float:
+        return math.degrees(math.acos(max(-1.0, min(1.0, self.cos))))
+
+
+def cosine(a: ModuleGrads, b: ModuleGrads) -> Angle | None:
+    """The angle between two gradients given by module (None if either is zero)."""
+    dots = {m: float(a[m].double() @ b[m].double()) for m in a}
+    na = {m: float(a[m].double().norm()) for m in a}
+    nb = {m: float(b[m].double().norm()) for m in b}
+    total_a, total_b = math.sqrt(sum(x * x for x in na.values())), math.sqrt(sum(x * x for x in nb.values()))
+    if total_a == 0 or total_b == 0:
+        return None
+    modules = {m: dots[m] / (na[m] * nb[m]) for m in a if na[m] > 0 and nb[m] > 0}
+    layers: dict[str, list[float]] = {}
+    for m in a:
+        layers.setdefault(layer_of(m), []).append(m)
+    per_layer = {}
+    for layer, ms in sorted(layers.items()):
+        la = math.sqrt(sum(na[m] ** 2 for m in ms))
+        lb = math.sqrt(sum(nb[m] ** 2 for m in ms))
+        if la > 0 and lb > 0:
+            per_layer[layer] = sum(dots[m] for m in ms) / (la * lb)
+    conflict = sum(c < 0 for c in modules.values()) / max(len(modules), 1)
+    return Angle(sum(dots.values()) / (total_a * total_b), per_layer, modules, conflict)
 
 
 def role_gradients(

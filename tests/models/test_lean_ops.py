@@ -1,4 +1,4 @@
-"""The trainer's lean MLP (`rolerl.train.lean_ops`): the same forward as HF's bit for bit, gradients equal to
+"""The trainer's lean MLP (`rolerl.models.lean_ops`): the same forward as HF's bit for bit, gradients equal to
 float64 and to autograd's through HF's ops within fp32 rounding, a third fewer bytes kept for backward,
 bf16 autocast unchanged, other families left alone."""
 
@@ -10,8 +10,8 @@ import torch
 from torch.nn import functional as F
 
 import rolerl
+from rolerl.models import lean_ops
 from rolerl.models.lora import routes as routes_ctx
-from rolerl.train import lean_ops
 from tests.models.test_lora import randomize_adapters
 from tests.tolerance import assert_close_ulps
 
