@@ -681,10 +681,10 @@ def _run_demos(args: argparse.Namespace) -> int:
         return _run_gsm8k_demos(args, "msarl" if args.source == "msarl" else args.fmt)
     if args.fmt is not None:
         raise ValueError(f"--format is for gsm8k; {args.source} writes every role of its workflow")
+    from rolerl.demos.roles import SPLIT, WARM_STARTS, build, collect_roles, summary_lines
     from rolerl.eval.harness import EvalSpec, spec_examples
     from rolerl.tasks import load_task
     from rolerl.workflows import load_workflow
-    from rolerl.demos.roles import SPLIT, WARM_STARTS, build, collect_roles, summary_lines
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit {args.limit}; allowed: an integer >= 1")

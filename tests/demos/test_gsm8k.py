@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rolerl.roles import TOOL_CALL, TOOL_OUTPUT, Tags, format_tool_output, split_segments
 from rolerl.demos import gsm8k as gd
+from rolerl.roles import TOOL_CALL, TOOL_OUTPUT, Tags, format_tool_output, split_segments
 from rolerl.tasks import math as math_tasks
 from rolerl.tasks.math import MathTask
 from rolerl.tools.base import ToolResult

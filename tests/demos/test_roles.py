@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
+from rolerl.demos import roles as ws
 from rolerl.tasks.base import Example
 from rolerl.train.sft import read_demonstrations
-from rolerl.demos import roles as ws
 from rolerl.workflows.eval_opt import EvalOpt, parse_verdict
 from rolerl.workflows.orch_workers import OrchWorkers, parse_strategies
 from rolerl.workflows.voting import Voting, parse_choice
