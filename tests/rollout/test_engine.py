@@ -193,13 +193,14 @@ def teacher_forced_logprobs(model, ids: list[int], routes: list[int], temperatur
     return [float(logp[p - 1, ids[p]]) for p in range(1, len(ids))]
 
 
-def test_scripted_tool_episodes_kinds_routes_and_logprobs(tiny):
-    model, tok = tiny
-    rolerl.add_adapters(model, ["reason", "tool", "output"], rank=4)
-    randomize_adapters(model, std=0.2)
-    route_of = {"prompt": 0, "reasoning": 0, "tool_call": 1, "tool_output": 2, "answer": 0}
+def scripted_episodes(model, tok, route_of, engine_model=None, source=None):
+    """An engine whose sampler replays SCRIPTS (one per seed, tool calls included) and one echo-tool request
+    per script; `engine_model` (default `model`) is what the engine samples from, `source` its weights'."""
     scripts = {seed: prompt_ids(tok, text) for seed, text in enumerate(SCRIPTS)}
-    engine = Engine(model, tok, max_batch=3, tools={"echo": EchoTool()}, sampler=scripted_sampler(scripts))
+    engine = Engine(
+        engine_model if engine_model is not None else model, tok, max_batch=3, tools={"echo": EchoTool()},
+        sampler=scripted_sampler(scripts), source=source,
+    )  # fmt: skip
     reqs = [
         GenerationRequest(
             prompt_ids(tok, "Question: what is it?\n"),
@@ -209,6 +210,16 @@ def test_scripted_tool_episodes_kinds_routes_and_logprobs(tiny):
         )
         for seed, s in scripts.items()
     ]
+    return engine, reqs
+
+
+def test_scripted_tool_episodes_kinds_routes_and_logprobs(tiny):
+    model, tok = tiny
+    rolerl.add_adapters(model, ["reason", "tool", "output"], rank=4)
+    randomize_adapters(model, std=0.2)
+    route_of = {"prompt": 0, "reasoning": 0, "tool_call": 1, "tool_output": 2, "answer": 0}
+    engine, reqs = scripted_episodes(model, tok, route_of)
+    scripts = {seed: prompt_ids(tok, text) for seed, text in enumerate(SCRIPTS)}  # what the sampler replays
     turns = engine.generate(reqs)
     engine.close()
     lengths = set()

@@ -9,9 +9,8 @@ import torch
 
 import rolerl
 from rolerl.algorithms.losses import ppo_clip_loss, tis_weights
-from rolerl.rollout.engine import Engine, GenerationRequest, rollout_copy
+from rolerl.rollout.engine import rollout_copy
 from rolerl.rollout.recorder import AdapterVersion
-from rolerl.rollout.sampling import SamplingParams
 from rolerl.run.policy import build_policy
 from rolerl.train.checkpoint import RunDir
 from rolerl.train.pipeline import snapshot_tensors, staleness
@@ -20,7 +19,7 @@ from rolerl.train.rl import train
 from rolerl.types import Turn, collate, runs_to_versions, versions_to_runs
 from rolerl.workflows import SingleTurn
 from tests.models.test_lora import randomize_adapters
-from tests.rollout.test_engine import SCRIPTS, EchoTool, prompt_ids, scripted_sampler
+from tests.rollout.test_engine import scripted_episodes
 from tests.train.test_rl import tiny_config
 from tests.workflows.test_single_turn import EchoTask
 
@@ -39,29 +38,11 @@ def test_versions_run_length_round_trip_and_old_turns_read_as_zero():
         Turn("policy", [1, 2], [3, 4], ["reasoning"] * 2, [0, 0, 0, 0], [-0.1, -0.2], versions=[1, 1, 1])
 
 
-def _scripted(model, tok, route_of, engine_model=None, source=None):
-    scripts = {seed: prompt_ids(tok, text) for seed, text in enumerate(SCRIPTS)}
-    engine = Engine(
-        engine_model if engine_model is not None else model, tok, max_batch=3, tools={"echo": EchoTool()},
-        sampler=scripted_sampler(scripts), source=source,
-    )  # fmt: skip
-    reqs = [
-        GenerationRequest(
-            prompt_ids(tok, "Question: what is it?\n"),
-            SamplingParams(temperature=0.7, seed=seed, max_new_tokens=len(s)),
-            route_of=route_of,
-            tool="echo",
-        )
-        for seed, s in scripts.items()
-    ]
-    return engine, reqs
-
-
 def test_each_token_records_the_version_of_the_adapter_that_sampled_it(tokenizer):
     model, tok = rolerl.tiny_model("llama", seed=0, tokenizer=tokenizer)
     rolerl.add_adapters(model, ["reason", "tool", "output"], rank=4)
     route_of = {"prompt": 0, "reasoning": 0, "tool_call": 1, "tool_output": 2, "answer": 0}
-    engine, reqs = _scripted(model, tok, route_of)
+    engine, reqs = scripted_episodes(model, tok, route_of)
     engine.versions = [3, 7, 11]
     turns = engine.generate(reqs)
     engine.close()
@@ -80,7 +61,7 @@ def test_sync_to_an_adapter_version_replaces_the_packed_adapters(tokenizer):
     randomize_adapters(model, std=0.2)
     route_of = {"prompt": 0, "reasoning": 0, "tool_call": 1, "tool_output": 0, "answer": 0}
     copy = rollout_copy(model, torch.float32)
-    engine, reqs = _scripted(model, tok, route_of, engine_model=copy, source=model)
+    engine, reqs = scripted_episodes(model, tok, route_of, engine_model=copy, source=model)
     before = engine.generate(reqs)
     randomize_adapters(
         model, seed=1, std=0.2
@@ -94,7 +75,7 @@ def test_sync_to_an_adapter_version_replaces_the_packed_adapters(tokenizer):
         for k, p in reference.named_parameters():
             if k.endswith(".reason"):
                 p.copy_(dict(copy.named_parameters())[k])
-    ref_engine, _ = _scripted(reference, tok, route_of)
+    ref_engine, _ = scripted_episodes(reference, tok, route_of)
     expected = ref_engine.generate(reqs)
     ref_engine.close()
     for a, b, e in zip(before, after, expected, strict=True):
