@@ -11,11 +11,12 @@ the stage's outputs would not be what the flags ask for.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from rolerl.files import write_json
 
 Log = Callable[[str], None]
 
@@ -74,15 +75,6 @@ class Pipeline:
 def _jsonable(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """`inputs` as JSON reads them back (tuples as lists), so a marker compares equal to the same inputs."""
     return json.loads(json.dumps(dict(inputs), default=str))
-
-
-def write_json(path: str | Path, data: Any) -> None:
-    """Write `data` as indented JSON atomically (a kill leaves the old file or the new one, never half)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def log_evaluations(

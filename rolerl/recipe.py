@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rolerl.config import Config, load_config
-from rolerl.pipeline import Log, Pipeline, log_evaluations, write_json
+from rolerl.files import write_json
+from rolerl.pipeline import Log, Pipeline, log_evaluations
 
 
 @dataclass(frozen=True)

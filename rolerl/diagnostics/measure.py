@@ -22,13 +22,13 @@ writes the per-question coefficients:
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rolerl.diagnostics.conflict import ConflictReport, episode_gradients, select_params
 from rolerl.eval.harness import EvalSpec, rollouts, spec_examples, spec_policy
+from rolerl.files import write_json
 from rolerl.report.plots import save_png
 
 
@@ -103,9 +103,7 @@ def grad_conflict(
     ])  # fmt: skip
     _write_csv(out / "layers.csv", report.layers())
     _write_csv(out / "modules.csv", report.modules())
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(out / "summary.json")
+    write_json(out / "summary.json", summary)
     if report.pairs:
         plot(report, out / "angles.png")
     log_line(table(summary))
@@ -155,9 +153,7 @@ def measure_interaction(
                "mean_l23": float(result.l23.mean()), "median_l23": float(result.l23.quantile(0.5)),
                "samples": spec.n, "sources": {k: str(v) for k, v in sources.items()},
                "hybrids": hybrids, "task": spec.task, "workflow": spec.workflow}  # fmt: skip
-    tmp = out / "interaction.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out / "interaction.json")
+    write_json(out / "interaction.json", report)
     log_line(summary(result))
     return report
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rolerl.eval.metrics import binomial_stderr, pass_at_k
+from rolerl.files import write_json
 from rolerl.tasks.base import Example, Task, majority_correct
 from rolerl.types import Episode
 from rolerl.workflows.base import pooled_measures, workflow_name
@@ -139,9 +140,7 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
         "seconds": time.perf_counter() - t0,
     }
     if out is not None:
-        tmp = out / "results.json.tmp"
-        tmp.write_text(json.dumps(results, indent=2))
-        tmp.replace(out / "results.json")
+        write_json(out / "results.json", results)
     log_line(table(results["metrics"], spec))
     return results
 
