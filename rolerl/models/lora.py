@@ -569,6 +569,16 @@ def adapter_parameters(model: nn.Module) -> dict[int, list[nn.Parameter]]:
     return out
 
 
+def named_adapter_parameters(
+    model: nn.Module, names: Sequence[str] | None = None
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """`(parameter path, parameter)` of the LoRA weights of `model` (`<layer>.lora_A.<adapter>` and
+    `lora_B`), of the adapters `names` only (None: every adapter): what a copy of the model is synced by."""
+    for path, p in model.named_parameters():
+        if ".lora_" in path and (names is None or path.rsplit(".", 1)[-1] in names):
+            yield path, p
+
+
 def _candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Linear layers inside the decoder blocks (never the LM head or the embeddings)."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

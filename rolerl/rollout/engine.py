@@ -28,6 +28,7 @@ from contextlib import nullcontext
 import torch
 
 from rolerl.heap import trim_heap
+from rolerl.models.lora import named_adapter_parameters
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
@@ -291,9 +292,8 @@ class Engine:
             return {}
         mine = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, p in self.source.named_parameters():
-                if "lora_" in name:
-                    mine[name].copy_(p)
+            for name, p in named_adapter_parameters(self.source):
+                mine[name].copy_(p)
         return {}
 
     def close(self) -> None:

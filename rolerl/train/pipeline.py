@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from rolerl.models.lora import adapter_specs
+from rolerl.models.lora import adapter_specs, named_adapter_parameters
 from rolerl.roles import POLICY_KINDS
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
@@ -147,11 +147,7 @@ class RolloutPipeline:
         tensors: dict[object, dict[str, object]] = {}
         for m in policy.members.values():
             mine = [n for n in adapter_specs(m.model) if n in changed]
-            params = {
-                k: p.detach().clone()
-                for k, p in m.model.named_parameters()
-                if ".lora_" in k and k.rsplit(".", 1)[-1] in mine  # `<layer>.lora_A.<adapter>`
-            }
+            params = {k: p.detach().clone() for k, p in named_adapter_parameters(m.model, mine)}
             if params:
                 tensors[m.model] = params
         with self._cv:
@@ -215,6 +211,5 @@ def snapshot_tensors(policy: Policy) -> dict[str, torch.Tensor]:
     return {
         f"{name}/{k}": p.detach().clone()
         for name, m in policy.members.items()
-        for k, p in m.model.named_parameters()
-        if "lora_" in k
+        for k, p in named_adapter_parameters(m.model)
     }
