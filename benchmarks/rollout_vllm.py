@@ -33,6 +33,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,8 +55,11 @@ def vllm_child(dtype: str, batches: list[int], new: int, runs: int, tools: bool)
     directory = str(_resolve_to_directory("default"))
     tok = AutoTokenizer.from_pretrained(directory)  # the tokenizer only: no model in the front-end's RSS
     t0 = time.perf_counter()
-    engine = AsyncEngine(model=directory, dtype=dtype, seed=0, max_model_len=1024,
-                         max_num_seqs=max([*batches, 32]), enforce_eager=True, disable_log_stats=True)  # fmt: skip
+    seqs = max([*batches, 32])
+    # every prompt prefilled whole (rolerl's backend does the same on a CPU: vllm_backend.cpu_batch_tokens):
+    # vLLM's CPU build dies when it discards the token of a seeded request's partial prefill
+    engine = AsyncEngine(model=directory, dtype=dtype, seed=0, max_model_len=1024, max_num_seqs=seqs,
+                         max_num_batched_tokens=1024 * seqs, enforce_eager=True, disable_log_stats=True)  # fmt: skip
     out: dict = {"startup_s": round(time.perf_counter() - t0, 1), "vllm": _version()}
 
     def params(seed: int, n: int, eos: bool = False) -> SamplingParams:
@@ -159,8 +163,13 @@ def compare(args, run) -> dict:
         proc = subprocess.run(
             [*cmd, *(["--tools"] if tools else [])], capture_output=True, text=True, check=False
         )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cmd} failed:\n{proc.stderr[-3000:]}")
+        if proc.returncode != 0:  # vLLM's engine core logs the cause first; its clients' tracebacks follow
+            log = Path(tempfile.gettempdir()) / f"rolerl-bench-vllm-{dtype}.log"
+            log.write_text(proc.stderr)
+            first = proc.stderr.find("Traceback")
+            raise RuntimeError(
+                f"{cmd} failed (its whole stderr: {log}); the first error:\n{proc.stderr[max(first, 0) :][:3000]}"
+            )
         v = json.loads(proc.stdout.strip().splitlines()[-1])
         for b, r in rows.items():
             out[f"{dtype}/vllm/b{b}"] = {

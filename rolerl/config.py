@@ -370,6 +370,12 @@ class TrainConfig(Section):
     # synchronous loop, bit for bit); a call with a token beyond k is dropped from the update. k >= 1 needs
     # algorithm.old_logp recompute or auto and a tis_cap (decoupled PPO: docs/TRAINING.md)
     max_staleness: int | None = None
+    # with max_staleness >= 1: a rollout in flight switches, between two decode steps, to each newer version
+    # of the adapters the trainer publishes (never one after step s - 1 for step s's rollout) and recomputes
+    # its rows' KV cache under it, so a call's tokens may carry several versions, each token's log-prob its
+    # own version's; the switch moment depends on timing, so such a run is not bit-reproducible (false: each
+    # rollout samples one version, reproducibly). Built-in engine only (rollout.backend lockstep or threaded)
+    partial_rollouts: bool = False
 
     @property
     def adapter_steps_per_step(self) -> int | None:
@@ -589,6 +595,16 @@ class Config:
         """Stale rollouts need the decoupled loss: behaviour log-probs (the rollout's), a proximal policy
         recomputed by the trainer, and TIS weights between the two."""
         k = self.train.max_staleness
+        if self.train.partial_rollouts and not k:
+            raise ConfigError(
+                f"train.partial_rollouts=true continues rollouts across the asynchronous loop's syncs: it needs "
+                f"train.max_staleness >= 1; got max_staleness={k!r}"
+            )
+        if self.train.partial_rollouts and self.rollout.backend not in ("lockstep", "threaded"):
+            raise ConfigError(
+                "train.partial_rollouts=true switches the built-in engine's adapters mid-rollout: it needs "
+                f"rollout.backend lockstep or threaded; got rollout.backend={self.rollout.backend!r}"
+            )
         if not k:
             return
         alg = self.algorithm
@@ -604,11 +620,6 @@ class Config:
                 f"train.max_staleness={k}: an adapter takes {per} optimizer steps per training step "
                 f"(train.ppo_epochs x train.mini_batches), so a rollout one step behind is {per} of its steps "
                 f"behind: give train.max_staleness >= {per} (each {per} allow one step of overlap)"
-            )
-        if self.rollout.backend not in ("lockstep", "threaded"):
-            raise ConfigError(
-                f"train.max_staleness={k} runs on the built-in engine (rollout.backend lockstep or threaded); "
-                f"got rollout.backend={self.rollout.backend!r}"
             )
 
     def to_dict(self) -> dict[str, Any]:

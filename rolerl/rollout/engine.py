@@ -13,7 +13,9 @@ One `step()`:
   5. sampling, the tag state machine, stop checks; finished rows free their slot (the last row moves in).
 
 Everything training needs is recorded as it happens: token ids, each token's kind, the route each position
-was computed with, and sampling log-probs. The routes fed are checked against `shift` at the end.
+was computed with, sampling log-probs and the adapters' version. The routes fed are checked against
+`shift` at the end. With partial rollouts (`poll`), a step first takes a newer version of the adapters,
+if there is one, and recomputes the cache of the rows in flight under it (`switch`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -162,9 +164,13 @@ class Engine:
         # route index -> the version of that adapter in the weights sampled from (each token records its
         # own: `Turn.versions`); set by the trainer (`rolerl.train.pipeline`), empty = every version 0
         self.versions: list[int] = []
+        # partial rollouts (`train.partial_rollouts`): asked at the start of every step, in the thread that
+        # steps the engine, for a newer version of the adapters to `switch` to (None: none yet)
+        self.poll: Callable[[], AdapterVersion | None] | None = None
         self.waiting: deque[_Row] = deque()
         self._next_handle = 0
-        self.stats = {"forward_s": 0.0, "sample_s": 0.0, "steps": 0, "decode_rows": 0, "tool_calls": 0}
+        self.stats = {"forward_s": 0.0, "sample_s": 0.0, "steps": 0, "decode_rows": 0, "tool_calls": 0,
+                      "switches": 0}  # fmt: skip
 
     def _lean_kernel(self, kernel, setting: str, field: str, instead: str):
         """`kernel` (a native kernel for the engine's own decoder, resolved from `rollout.<field>`) where that
@@ -225,6 +231,9 @@ class Engine:
     def step(self) -> list[tuple[int, Turn]]:
         """Advance every active row by one sampled token (or a splice); returns rows that finished."""
         self.stats["steps"] += 1
+        version = self.poll() if self.poll is not None else None
+        if version is not None:
+            self.switch(version)
         for row in self.active:
             if row.future is not None and row.future.done():
                 self._splice_tool_output(row)
@@ -270,10 +279,7 @@ class Engine:
         self.cache = None
         if isinstance(self.sampler, Sampler):
             self.sampler.release()
-        if self.lean is not None:
-            self.lean.sleep()
-        if self.packed is not None:
-            self.packed.drop()
+        self._drop_packed()
 
     def sync(self, version: AdapterVersion | None = None) -> dict[str, float]:
         """Copy the trainer's adapter weights into this engine's copy of the model (cast to its dtype);
@@ -282,11 +288,7 @@ class Engine:
         sampled from now on; the packed copies are dropped so the next forward packs the new adapters."""
         if version is not None and self.source is not None:
             self.sleep()
-            mine = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, t in version.tensors.get(self.source, {}).items():
-                    mine[name].copy_(t)
-            self.versions = list(version.versions.get(self.source, []))
+            self._take(version)
             return {}
         if self.source is None:
             return {}
@@ -296,11 +298,48 @@ class Engine:
                 mine[name].copy_(p)
         return {}
 
+    def switch(self, version: AdapterVersion) -> None:
+        """Take `version`'s adapters between two steps, with requests in flight (partial rollouts, called
+        from `step` through `poll`). Every active row's cache is recomputed under them: its fed positions
+        become pending again, so the next step prefills each row's whole sequence (rows alike share it, as
+        fresh prompts do) and samples its next token from that forward. Each token sampled from now on then
+        records the new version, and its log-prob is that version's forward over the sequence so far, not
+        over keys and values the old adapters computed. `stats["switches"]` counts the switches that
+        recomputed a row."""
+        if self.source is None:
+            raise ValueError("Engine.switch needs an engine over its own copy of the model (`source`)")
+        self._drop_packed()
+        self._take(version)
+        recomputed = 0
+        for row in self.active:
+            if row.cache_len:
+                row.pending = row.ids[: row.cache_len] + row.pending
+                row.pending_routes = row.fed_routes + row.pending_routes
+                row.fed_routes, row.cache_len = [], 0
+                recomputed += 1
+        self.stats["switches"] += bool(recomputed)
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- internals --------------------------------------------------------------------------------------
+
+    def _take(self, version: AdapterVersion) -> None:
+        """Copy `version`'s changed adapters into the engine's copy; tokens sampled from now on record its
+        versions."""
+        mine = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in version.tensors.get(self.source, {}).items():
+                mine[name].copy_(t)
+        self.versions = list(version.versions.get(self.source, []))
+
+    def _drop_packed(self) -> None:
+        """Drop the packed weights and adapter copies; the next forward packs them from the weights then."""
+        if self.lean is not None:
+            self.lean.sleep()
+        if self.packed is not None:
+            self.packed.drop()
 
     def _admit(self) -> None:
         budget = self.max_tokens - sum(r.max_length for r in self.active) if self.max_tokens else 0
@@ -522,9 +561,9 @@ class Engine:
         forced = row.splice(result, failed, self.tokenizer, time.perf_counter() - row.call_started)
         if forced:
             # [last sampled, forced...]: all predict tool output, except the last forced, which predicts the
-            # model's next token
-            routes = [row.route(TOOL_OUTPUT)] * len(forced) + [row.next_route()]
-            row.pending, row.pending_routes = [row.pending[0], *forced], routes
+            # model's next token (after a `switch`, the row's recomputed positions come before them)
+            routes = [*row.pending_routes, *[row.route(TOOL_OUTPUT)] * len(forced), row.next_route()]
+            row.pending, row.pending_routes = [*row.pending, *forced], routes
 
     def _retire(self) -> list[tuple[int, Turn]]:
         out = []

@@ -31,6 +31,14 @@ lists the new version, and that its log-probs on a probe prompt changed when the
 on that probe did (`rollout/sync_check`; a served adapter that stayed the same after a real update is an
 error, the silent failure several published trainers shipped). Only LoRA adapters can be synced.
 
+Asynchronous training (`train.max_staleness`, rolerl.train.pipeline) syncs to an `AdapterVersion` instead:
+the adapters after an older step, while the trainer has moved on. As the built-in engine's
+`Engine.sync(version)` does with its own copy of the model, the backend copies the version's changed
+adapters into `replica` (a copy of the trainer's model), writes the PEFT directories from it and probes
+it, so what vLLM serves and what the probe compares with are that version, never the trainer's live
+weights. Every sampled token records the version of the adapter that sampled it (`Turn.versions`): the
+optimizer step count of the LoRA version its segment was sent with.
+
 Tested against real vLLM (its CPU build, `make test-vllm`, tests/rollout/real_vllm/): the offline engine
 and `vllm serve`, log-prob parity with the trainer per kind, GRPO runs, and the checks of
 `rolerl.rollout.vllm_checks`; the fast suite drives this class with a fake engine (tests/rollout/fake_vllm.py).
@@ -55,12 +63,13 @@ from typing import Any
 import torch
 
 from rolerl.roles import token_bytes
-from rolerl.rollout.recorder import GenerationRequest, Recorder, run_tool
+from rolerl.rollout.recorder import AdapterVersion, GenerationRequest, Recorder, run_tool
 from rolerl.rollout.vllm_checks import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     check_vllm_config,
     check_vllm_version,
+    cpu_scheduling,
     engine_max_len,
     vllm_dtype,
 )
@@ -90,13 +99,14 @@ def vllm_api() -> SimpleNamespace:
 
 
 @dataclass
-class AdapterVersion:
+class ServedAdapter:
     """One adapter's weights as vLLM serves them: a PEFT directory loaded under its own LoRA id."""
 
     adapter: str
-    version: int
+    version: int  # this backend's count of the adapter's loads (`@v<k>` in its LoRA name)
     lora_id: int
     path: Path
+    step: int = 0  # the adapter's optimizer step count in these weights: what its tokens record
     in_flight: int = 0  # segments using it now
     # the backend instance's: a new backend never reuses an old one's names (on a long-lived server)
     tag: str = ""
@@ -116,7 +126,10 @@ class VLLMBackend:
     fake's). `temperature`: the rollout's, at which each sync's probe checks that the served log-probs are
     processed ones. `tag`: part of every LoRA name and directory, so that a backend started again on a
     running server (a resumed run) never meets its predecessor's names or prefix-cache entries (default:
-    random; "" = none). Call `sync(policy)` once before the first rollout and after every optimizer step."""
+    random; "" = none). `source`: the trainer's model whose adapters this serves (the key of an
+    `AdapterVersion`'s tensors); `replica`: a copy of it (`rollout_copy`) that `sync(version)` loads each
+    version into (asynchronous training; None: `sync(version)` is refused). Call `sync(policy)` once before
+    the first rollout and after every optimizer step, or `sync(version)` with each version to sample."""
 
     def __init__(
         self,
@@ -135,6 +148,8 @@ class VLLMBackend:
         tool_workers: int = 8,
         temperature: float = 1.0,
         tag: str | None = None,
+        source: Any = None,
+        replica: Any = None,
     ) -> None:
         if logprobs not in ("processed", "recompute"):
             raise ValueError(f"logprobs={logprobs!r}; allowed: 'processed', 'recompute'")
@@ -158,8 +173,9 @@ class VLLMBackend:
         self.table = token_bytes(tokenizer, vocab_size)
         eos = [*eos_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
         self.eos_ids = frozenset(eos)
-        self.current: dict[str, AdapterVersion] = {}
-        self.loaded: list[AdapterVersion] = []
+        self.source, self.replica = source, replica
+        self.current: dict[str, ServedAdapter] = {}
+        self.loaded: list[ServedAdapter] = []
         # after any id the engine already holds (another backend's): vLLM skips loading an id it has
         self._next_lora_id = max(self.llm.llm_engine.list_loras(), default=0) + 1
         self._synced: dict[str, dict[str, torch.Tensor]] = {}  # adapter -> the weights last synced
@@ -181,11 +197,12 @@ class VLLMBackend:
         rec = Recorder(request, self.table, self.eos_ids, self.max_len)
         while not rec.finish:
             route = rec.next_route()
-            out = await self._segment(rec, route)
+            out, step = await self._segment(rec, route)
+            versions = [step] * len(self.adapters)  # a segment's tokens all come from its one adapter
             body, used = None, 0
             for token, logp in out:
                 used += 1
-                body = rec.accept(token, logp)
+                body = rec.accept(token, logp, versions)
                 if rec.finish or body is not None or rec.next_route() != route:
                     break  # the call ended, a tool runs, or the next token belongs to another adapter
             self.stats["discarded_tokens"] += len(out) - used
@@ -210,44 +227,22 @@ class VLLMBackend:
         wired in)."""
 
     def sync(self, policy) -> dict[str, float]:
-        """Serve the policy's current adapters (a `Policy`, or the model that holds them): each changed
-        adapter is saved and loaded as a new version, old versions no segment uses are unloaded, and the
-        served log-probs on a probe prompt must have changed wherever the trainer's did."""
+        """Serve new adapters: the policy's current ones (a `Policy`, or the model that holds them), or an
+        `AdapterVersion`'s (asynchronous training). Each changed adapter is saved and loaded as a new
+        version, old versions no segment uses are unloaded, and the served log-probs on a probe prompt must
+        have changed wherever the trainer's did."""
+        if isinstance(policy, AdapterVersion):
+            return self._sync_version(policy)
         model = policy.members[self.model_name].model if hasattr(policy, "members") else policy
         _check_lora_only(model)
-        from rolerl.models.adapters_io import adapter_state_dict, save_adapter
+        return self._serve(model, self._changed(model, self.adapters))
 
-        metrics: dict[str, float] = {}
-        fresh: list[AdapterVersion] = []
-        for name in self.adapters:
-            weights = {k: v.detach().to("cpu", copy=True) for k, v in adapter_state_dict(model, name).items()}
-            old = self._synced.get(name)
-            if old is not None and all(torch.equal(weights[k], old[k]) for k in weights):
-                continue  # unchanged (a frozen adapter, or one no token reached): keep serving it
-            previous = self.current.get(name)
-            number = previous.version + 1 if previous else 1
-            suffix = f"-{self.tag}" if self.tag else ""
-            version = AdapterVersion(name, number, self._next_lora_id, self.work_dir / f"{name}-v{number}{suffix}",
-                                     tag=self.tag)  # fmt: skip
-            self._next_lora_id += 1
-            save_adapter(model, name, version.path)
-            self.llm.llm_engine.add_lora(self._lora_request(version))
-            self.current[name], self._synced[name] = version, weights
-            self.loaded.append(version)
-            fresh.append(version)
-            metrics[f"rollout/adapter_version/{name}"] = float(version.version)
-        self._unload_idle()
-        listed = set(self.llm.llm_engine.list_loras())
-        missing = [v.lora_name for v in fresh if v.lora_id not in listed]
-        if missing:
-            raise RuntimeError(
-                f"vLLM does not list the adapters just loaded: {missing} (listed ids {sorted(listed)})"
-            )
-        for version in fresh:
-            metrics |= self._probe(model, version)
-        metrics["rollout/sync_check"] = 1.0
-        metrics["rollout/loras_loaded"] = float(len(self.loaded))
-        return metrics
+    def stamp(self, steps: Sequence[int]) -> None:
+        """The synchronous loop: the adapters served now are the trainer's as they are (synced after each
+        update), so the tokens they sample record the trainer's step counts `steps` (in route order)."""
+        for name, step in zip(self.adapters, steps, strict=False):
+            if name in self.current:
+                self.current[name].step = int(step)
 
     def close(self) -> None:
         self._generate_thread.shutdown(wait=False, cancel_futures=True)
@@ -296,18 +291,20 @@ class VLLMBackend:
             logprobs=0, skip_special_tokens=False, spaces_between_special_tokens=False, **NEUTRAL,
         )  # fmt: skip
 
-    def _lora_request(self, version: AdapterVersion) -> Any:
+    def _lora_request(self, version: ServedAdapter) -> Any:
         return self.api.LoRARequest(version.lora_name, version.lora_id, str(version.path))
 
-    async def _segment(self, rec: Recorder, route: int) -> list[tuple[int, float]]:
-        """Generate one segment with the adapter of `route`; `(token, log-prob)` pairs as vLLM returned."""
-        version = None
+    async def _segment(self, rec: Recorder, route: int) -> tuple[list[tuple[int, float]], int]:
+        """Generate one segment with the adapter of `route`: `(token, log-prob)` pairs as vLLM returned, and
+        the step count of the adapter version the request was sent with (-1: the base model)."""
+        version, step = None, -1
         if route >= 0:
             name = self.adapters[route]
             version = self.current.get(name)
             if version is None:
                 raise RuntimeError(f"adapter {name!r} was never synced: call backend.sync(policy) first")
-            version.in_flight += 1
+            version.in_flight += 1  # a sync from now on keeps it loaded until the segment is done
+            step = version.step
         try:
             prompt = self.api.TokensPrompt(prompt_token_ids=list(rec.ids))
             lora = self._lora_request(version) if version is not None else None
@@ -326,7 +323,7 @@ class VLLMBackend:
         self.stats["segments"] += 1
         completion = output.outputs[0]
         ids = list(completion.token_ids)
-        return [(t, float(completion.logprobs[i][t].logprob)) for i, t in enumerate(ids)]
+        return [(t, float(completion.logprobs[i][t].logprob)) for i, t in enumerate(ids)], step
 
     async def _drain(self) -> None:
         """Send the queued segments to vLLM as one batch, again until none is queued."""
@@ -351,7 +348,73 @@ class VLLMBackend:
 
     # ---- adapter versions -----------------------------------------------------------------------------
 
-    def _check_processed(self, version: AdapterVersion, logits: torch.Tensor, sampled: list[int],
+    def _sync_version(self, version: AdapterVersion) -> dict[str, float]:
+        """Serve `version`'s adapters: its changed ones are copied into `replica` (cast to its dtype), saved
+        from it and probed on it; every served adapter records the version's step counts."""
+        if self.replica is None or self.source is None:
+            raise RuntimeError(
+                "VLLMBackend.sync(AdapterVersion) needs the trainer's model (`source`) and a copy of it "
+                "(`replica`, rolerl.rollout.engine.rollout_copy) to load each version into: the trainer's own "
+                "adapters have moved on (build_vllm_backend passes them under train.max_staleness)"
+            )
+        tensors = version.tensors.get(self.source, {})
+        mine = dict(self.replica.named_parameters())
+        with torch.no_grad():
+            for key, t in tensors.items():
+                mine[key].copy_(t)
+        touched = {key.rsplit(".", 1)[-1] for key in tensors}  # `<layer>.lora_A.<adapter>`
+        changed = self._changed(self.replica, [n for n in self.adapters if n in touched])
+        return self._serve(self.replica, changed, version.versions.get(self.source, []))
+
+    def _changed(self, model, names: Sequence[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """The weights of the adapters among `names` that differ in `model` from those last synced. The
+        others keep being served: a frozen adapter, one no token reached, one a version holds unchanged."""
+        out = {}
+        for name in names:
+            weights, old = _cpu_weights(model, name), self._synced.get(name)
+            if old is None or not all(torch.equal(weights[k], old[k]) for k in weights):
+                out[name] = weights
+        return out
+
+    def _serve(
+        self, model, changed: Mapping[str, dict[str, torch.Tensor]], steps: Sequence[int] | None = None
+    ) -> dict[str, float]:
+        """Load the `changed` adapters of `model` (their weights as saved) as new versions, unload the idle
+        old ones, check that vLLM lists the new ones and probe them on `model`. `steps`: every adapter's
+        step count (route order), recorded on the versions served from now on (None: `stamp` does)."""
+        from rolerl.models.adapters_io import save_adapter
+
+        metrics: dict[str, float] = {}
+        fresh: list[ServedAdapter] = []
+        for name, weights in changed.items():
+            previous = self.current.get(name)
+            number = previous.version + 1 if previous else 1
+            suffix = f"-{self.tag}" if self.tag else ""
+            version = ServedAdapter(name, number, self._next_lora_id, self.work_dir / f"{name}-v{number}{suffix}",
+                                    tag=self.tag)  # fmt: skip
+            self._next_lora_id += 1
+            save_adapter(model, name, version.path)
+            self.llm.llm_engine.add_lora(self._lora_request(version))
+            self.current[name], self._synced[name] = version, weights
+            self.loaded.append(version)
+            fresh.append(version)
+            metrics[f"rollout/adapter_version/{name}"] = float(version.version)
+        if steps is not None:
+            self.stamp(steps)
+        self._unload_idle()
+        listed = set(self.llm.llm_engine.list_loras())
+        missing = [v.lora_name for v in fresh if v.lora_id not in listed]
+        if missing:
+            raise RuntimeError(
+                f"vLLM does not list the adapters just loaded: {missing} (listed ids {sorted(listed)})"
+            )
+        for version in fresh:
+            metrics |= self._probe(model, version)
+        metrics["rollout/sync_check"] = 1.0
+        metrics["rollout/loras_loaded"] = float(len(self.loaded))
+        return metrics
+
+    def _check_processed(self, version: ServedAdapter, logits: torch.Tensor, sampled: list[int],
                          completion: Any) -> dict[str, float]:  # fmt: skip
         """The probe's sampled tokens: their served log-probs must be nearer the trainer's processed ones
         (`logits / T`) than its raw ones, else the engine serves raw log-probs."""
@@ -380,7 +443,7 @@ class VLLMBackend:
             shutil.rmtree(version.path, ignore_errors=True)
         self.loaded = keep
 
-    def _probe(self, model, version: AdapterVersion) -> dict[str, float]:
+    def _probe(self, model, version: ServedAdapter) -> dict[str, float]:
         """Served vs trainer log-probs on the probe prompt under `version`'s adapter: when the trainer's
         changed since the last sync (by more than bf16 rounding), the served ones must have changed too.
         And the tokens the probe samples at the rollout temperature must carry processed log-probs
@@ -423,6 +486,13 @@ class VLLMBackend:
                 "is serving a stale adapter or the base model"
             )
         return out_metrics
+
+
+def _cpu_weights(model, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name` of `model` under PEFT's keys, copied to the CPU (what a sync compares the next with)."""
+    from rolerl.models.adapters_io import adapter_state_dict
+
+    return {k: v.detach().to("cpu", copy=True) for k, v in adapter_state_dict(model, name).items()}
 
 
 def _trainer_logits(model, ids: list[int], route: int) -> torch.Tensor:
@@ -469,11 +539,14 @@ def _segment_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm_factory=None):
+def build_vllm_backend(
+    cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm_factory=None, replicas: Mapping | None = None
+):
     """One `VLLMBackend` per model of `policy` (a `ModelRouter` over them when there are several), each
     with its engine's tools. `llm_factory(spec, cfg, max_rank, model) -> LLM` (default: vLLM's offline
     `LLM` for the model `spec` names, colocated with the trainer on this process's GPU; `model` is the
-    trainer's, for tests' fakes)."""
+    trainer's, for tests' fakes). `replicas`: per model, a copy of the trainer's model for `sync(version)`
+    (asynchronous training: the run's engines hold one)."""
     from rolerl.models.lora import adapter_specs
     from rolerl.rollout.scheduler import ModelRouter
 
@@ -502,7 +575,7 @@ def build_vllm_backend(cfg, policy, tools: Mapping[str, Mapping[str, Tool]], llm
             logprobs=str(cfg.rollout.vllm.get("logprobs", "processed")),
             vocab_size=getattr(member.model.config, "vocab_size", None),
             eos_ids=[eos] if isinstance(eos, int) else list(eos or []), model_name=name, api=api,
-            temperature=cfg.rollout.temperature,
+            temperature=cfg.rollout.temperature, source=member.model, replica=(replicas or {}).get(name),
         )  # fmt: skip
     return next(iter(backends.values())) if len(backends) == 1 else ModelRouter(backends)
 
@@ -538,6 +611,9 @@ def _offline_llm(spec: str, cfg, max_rank: int, model=None):
     device = next(model.parameters()).device.type if model is not None else "cuda"
     dtype = vllm_dtype(str(options.pop("dtype", "auto")), next(model.parameters()).dtype if model is not None
                        else getattr(torch, cfg.model.dtype, torch.float32), device)  # fmt: skip
+    if device == "cpu":  # vLLM's CPU build: every prompt prefilled whole (vllm_checks.cpu_scheduling)
+        max_len = cfg.rollout.max_len or getattr(model.config, "max_position_embeddings", 8192)
+        options = cpu_scheduling(options, max_len)
     # vLLM's async engine, not `LLM`: each segment finishes on its own (vllm_async.py says why)
     return AsyncEngine(
         model=str(directory), dtype=dtype, seed=cfg.run.seed, enable_lora=True, disable_log_stats=True,

@@ -8,7 +8,10 @@ backend against real vLLM and reading vLLM's source):
   profiling); its CPU build runs LoRA in fp32, the trainer's dtype, which makes the parity exact;
 - the temperature: vLLM raises 0 < T < 0.01 to 0.01 and refuses T > 2, so a temperature outside [0.01, 2]
   would sample (or fail) otherwise than the trainer's log-probs assume;
-- the engine's context length: a request longer than the server's `--max-model-len` is answered 400.
+- the engine's context length: a request longer than the server's `--max-model-len` is answered 400;
+- whole prefills on a CPU: vLLM's CPU build (0.32.0) kills its engine core ("CPU Generator does not use
+  offset") when it splits a seeded request's prefill over steps, so rolerl, which seeds every request,
+  gives it a token budget per step that holds every prompt whole (`cpu_scheduling`).
 
 `check_vllm_config` turns what a config gets wrong into `ConfigError`s naming the fields.
 """
@@ -66,6 +69,36 @@ def vllm_dtype(
             "allowed there: 'auto' (bfloat16, or float16 without bf16), 'bfloat16', 'float16'"
         )
     return requested
+
+
+CPU_MAX_SEQS = 64  # requests vLLM's CPU build runs at once for rolerl, unless rollout.vllm.max_num_seqs
+
+
+def cpu_scheduling(options: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """The scheduling options vLLM's CPU build needs under rolerl, added to `options` (rollout.vllm's).
+
+    vLLM splits a long prefill over steps when the step's token budget (`max_num_batched_tokens`, 4096 by
+    default on a CPU) runs out; at the end of each piece it samples a token, discards it, and rewinds the
+    request's random generator. Only seeded requests have one, and on a CPU the rewind raises ("CPU
+    Generator does not use offset": torch's CPU generators have no offset, CUDA's do) and the engine core
+    dies. rolerl seeds every request (its tokens then do not depend on the batch), so on a CPU a step must
+    hold every running request's prompt whole: a budget of `max_num_seqs x max_len`. No warm-up runs a
+    batch that size in eager mode (`enforce_eager`, the default set here): vLLM's compiled mode would
+    profile one at start. A smaller budget given is refused."""
+    from rolerl.errors import ConfigError
+
+    out = dict(options)
+    out.setdefault("enforce_eager", True)
+    seqs = int(out.setdefault("max_num_seqs", CPU_MAX_SEQS))
+    need = seqs * max_len
+    given = int(out.setdefault("max_num_batched_tokens", need))
+    if given < need:
+        raise ConfigError(
+            f"rollout.vllm.max_num_batched_tokens={given}: on a CPU it must be at least max_num_seqs x "
+            f"rollout.max_len = {seqs} x {max_len} = {need} (or leave it unset): vLLM's CPU build stops its "
+            "engine when it splits a seeded request's prefill (docs/ROLLOUT.md)"
+        )
+    return out
 
 
 def check_temperature(value: float, field: str) -> None:

@@ -9,6 +9,10 @@ RUN_DIR/
   checkpoints/step_N/         adapters/<name>/ (PEFT directories) + state.pt (optimizer, RNG, step, ...)
 ```
 
+An asynchronous run's `state.pt` also keeps, under `rollout`, the older adapter versions that the rollouts
+of the steps after the checkpoint sample (`RolloutPipeline.state`: every adapter's LoRA tensors and step
+counts, small), so a run resumed from it equals the uninterrupted run.
+
 A checkpoint is written into a hidden temp directory beside its final place and renamed into place, so
 a crash leaves either the whole checkpoint or none; only the newest `keep_last` are kept, and an old one is
 renamed out of the `step_N` namespace before it is deleted (a crash mid-delete leaves a hidden directory,
@@ -273,12 +277,14 @@ def save_checkpoint(
     keep_last: int,
     extra: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
+    rollout: dict[str, Any] | None = None,
 ) -> Path:
     """Write `checkpoints/step_{step}` atomically, then delete all but the newest `keep_last`.
 
     `adapters`: adapter name -> the model that holds it (names are unique across models); `optimizer`: an
     `Optimizer` (state by name) or any object with `state_dict()`. `rng`: the RNG states to store
-    (default: now), e.g. those captured when `step` completed."""
+    (default: now), e.g. those captured when `step` completed. `rollout`: an asynchronous run's adapter
+    versions (`RolloutPipeline.state`), stored in `state.pt` with the rest."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", None
     try:
@@ -294,6 +300,8 @@ def save_checkpoint(
             "rng": rng if rng is not None else rng_state(),
             "extra": extra or {},
         }
+        if rollout is not None:
+            state["rollout"] = rollout
         with open(tmp / "state.pt", "wb") as f:  # a file object: a write's OSError reaches `_os_error`
             torch.save(state, f)
         if final.exists():  # re-saving a step (a resumed run): replace it whole
@@ -355,7 +363,8 @@ def load_checkpoint(
     optimizer: Any,
     scheduler: Any = None,
 ) -> dict[str, Any]:
-    """Restore adapters, optimizer, scheduler and RNG from `path`; returns the saved state (with `step`).
+    """Restore adapters, optimizer, scheduler and RNG from `path`; returns the saved state (with `step`,
+    and `rollout` where an asynchronous run wrote it).
 
     Raises `CorruptFileError` naming the file when `state.pt` or an adapter cannot be read; `state.pt` is
     read first, so a bad one changes nothing. A checkpoint written under another topology (other adapter

@@ -64,7 +64,7 @@ from rolerl.train.distributed import close as close_dist
 from rolerl.train.grad_conflict import role_gradients
 from rolerl.train.monitor import ToolHealth, episode_metrics, sampled_tokens, ticker
 from rolerl.train.optim import Optimizer, lr_factor, policy_optimizer
-from rolerl.train.pipeline import RolloutPipeline, staleness, stamp_versions
+from rolerl.train.pipeline import RolloutPipeline, RolloutThreadError, staleness, stamp_versions
 from rolerl.train.update import LossSettings, Part, Schedule, ppo_update
 from rolerl.types import Episode, Turn, collate
 from rolerl.workflows import Context, Workflow, derive_seed, load_workflow
@@ -147,7 +147,7 @@ def _train(
     params = policy.trainable()
     optimizer = policy_optimizer(policy, cfg.optim)
     seed_everything(cfg.run.seed)  # nothing here draws from global RNGs by design; code we call might
-    start = _restore(cfg, policy, optimizer, dist) if resume else 0  # RNG states restored too
+    start, versions = _restore(cfg, policy, optimizer, dist) if resume else (0, None)  # RNG states too
     dist.broadcast(params)  # the ranks start from rank 0's adapters (seeded alike; this makes sure)
     evaluation = _held_out_set(cfg, task) if cfg.eval.every else None
     if cfg.train.max_staleness and dist.active:
@@ -174,8 +174,9 @@ def _train(
             rollout_step, cfg, policy=policy, backend=backend, task=task, workflow=workflow
         )
         pipeline = RolloutPipeline(
-            backend, policy, optimizer.steps, generate, lag=cfg.train.async_lag, start=start, last=last
-        )
+            backend, policy, optimizer.steps, generate, lag=cfg.train.async_lag, start=start, last=last,
+            resumed=versions, partial=cfg.train.partial_rollouts,
+        )  # fmt: skip
     done = Completed(start, saved=start)
     undo = StepUndo(params, optimizer)
     try:
@@ -202,25 +203,29 @@ def _train(
                 metrics["lr"] = lr
                 if evaluation is not None and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                     report("evaluating on held-out examples")
-                    # through vLLM too when it samples the rollouts (it serves the adapters just synced)
-                    via = backend if cfg.rollout.backend == "vllm" else None
+                    # through vLLM too when it samples the rollouts (it serves the adapters just synced; under
+                    # train.max_staleness it serves older ones, and the scorers hold the trainer's own)
+                    via = backend if cfg.rollout.backend == "vllm" and pipeline is None else None
                     scores = held_out(cfg, policy, scorers, *evaluation, step, dist=dist, backend=via)
                     metrics |= {f"eval/{k}": v for k, v in scores.items()}
                 run.log(metrics)
                 done.complete(step, lr)
                 undo.disarm()
                 if step % cfg.run.checkpoint_every == 0 or step == cfg.train.steps:
-                    _checkpoint(cfg, policy, optimizer, done, dist)
+                    _checkpoint(cfg, policy, optimizer, done, dist, pipeline)
                 bar.update(step, f"reward {metrics['reward/mean']:.3f} acc {metrics['accuracy']:.2f}")
     except BaseException as e:
         stopping()  # a SIGTERM from now on must not cut short the checkpoint below or the report
-        _checkpoint_on_error(cfg, policy, optimizer, done, undo, dist)
+        _checkpoint_on_error(cfg, policy, optimizer, done, undo, dist, pipeline)
         if isinstance(e, RankFailure):  # say how to go on: the newest complete checkpoint is always safe
             kept = f"step {done.saved} is checkpointed" if done.saved else "no step is checkpointed"
             raise RankFailure(
                 f"{e}; {kept}; continue from the last complete checkpoint with rolerl train --resume "
                 f"{cfg.run.dir} (launched by torchrun, as this run was)"
             ) from e
+        if isinstance(e, RolloutThreadError):  # asynchronous training: say how to go on, as above
+            kept = f"step {done.saved} is checkpointed" if done.saved else "no step is checkpointed"
+            raise RolloutThreadError(f"{e}; {kept}; continue with rolerl train --resume {cfg.run.dir}") from e
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingInterrupted):
             why = "interrupted"
             if isinstance(e, Terminated):  # under torchrun: another rank failed (its error says why)
@@ -263,15 +268,22 @@ def _adapters(policy: Policy) -> dict[str, torch.nn.Module]:
 
 
 def _checkpoint(
-    cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed, dist: Dist = SINGLE
+    cfg: Config,
+    policy: Policy,
+    optimizer: Optimizer,
+    done: Completed,
+    dist: Dist = SINGLE,
+    pipeline: RolloutPipeline | None = None,
 ) -> None:
     """Rank 0 writes (every rank holds the same adapters and optimizer state); the others wait for it, so
-    a checkpoint a step reports exists once any rank goes on."""
+    a checkpoint a step reports exists once any rank goes on. With a `pipeline`, the adapter versions the
+    next rollouts sample are kept too (a resumed run then equals the uninterrupted one)."""
     if dist.main:
         extra = {"train_steps": cfg.train.steps, "lr": done.lr}  # what `_restore` says when a run is extended
+        rollout = pipeline.state(done.step) if pipeline is not None else None
         save_checkpoint(
             cfg.run.dir, done.step, _adapters(policy), optimizer,
-            keep_last=cfg.run.keep_last, extra=extra, rng=done.rng,
+            keep_last=cfg.run.keep_last, extra=extra, rng=done.rng, rollout=rollout,
         )  # fmt: skip
         done.saved = done.step
     dist.barrier()
@@ -279,7 +291,13 @@ def _checkpoint(
 
 
 def _checkpoint_on_error(
-    cfg: Config, policy: Policy, optimizer: Optimizer, done: Completed, undo: StepUndo, dist: Dist = SINGLE
+    cfg: Config,
+    policy: Policy,
+    optimizer: Optimizer,
+    done: Completed,
+    undo: StepUndo,
+    dist: Dist = SINGLE,
+    pipeline: RolloutPipeline | None = None,
 ) -> None:
     """Checkpoint the last completed step if it is not yet, undoing a cut-short update first. Never
     raises: the error that got us here is the one to report. Under torchrun only rank 0 writes, and no
@@ -288,14 +306,17 @@ def _checkpoint_on_error(
         return
     try:
         undo.undo()
-        _checkpoint(cfg, policy, optimizer, done)
+        _checkpoint(cfg, policy, optimizer, done, pipeline=pipeline)
         log.warning("stopped during step %d: checkpointed step %d", done.step + 1, done.step)
     except Exception as e:  # e.g. the disk is full: keep the older checkpoint
         log.warning("could not checkpoint step %d on the way out (%s)", done.step, e)
 
 
-def _restore(cfg: Config, policy: Policy, optimizer: Optimizer, dist: Dist = SINGLE) -> int:
-    """Load the newest readable checkpoint and return its step; 0 (start again) for a run that stopped
+def _restore(
+    cfg: Config, policy: Policy, optimizer: Optimizer, dist: Dist = SINGLE
+) -> tuple[int, dict[str, Any] | None]:
+    """Load the newest readable checkpoint and return its step and the adapter versions an asynchronous run
+    kept with it (`RolloutPipeline.state`; None otherwise); step 0 (start again) for a run that stopped
     before its first checkpoint. Every rank reads the same checkpoint (any number of ranks may resume a
     run written by any number); rank 0 clears partial writes first."""
     if dist.main:
@@ -313,7 +334,7 @@ def _restore(cfg: Config, policy: Policy, optimizer: Optimizer, dist: Dist = SIN
             "(its metrics.jsonl and TensorBoard logs are replaced)",
             cfg.run.dir,
         )
-        return 0
+        return 0, None
     start = int(state["step"])
     old = state.get("extra", {}).get("train_steps") or _config_steps(Path(cfg.run.dir) / "config.yaml")
     if start >= cfg.train.steps:
@@ -327,7 +348,7 @@ def _restore(cfg: Config, policy: Policy, optimizer: Optimizer, dist: Dist = SIN
             "train.steps %d -> %d: lr follows the %d-step %s schedule from step %d (%.3g%s)",
             old, cfg.train.steps, cfg.train.steps, cfg.optim.schedule, start + 1, _lr(cfg, start + 1), was,
         )  # fmt: skip
-    return start
+    return start, state.get("rollout")
 
 
 def _config_steps(path: Path) -> int | None:
@@ -603,7 +624,11 @@ def _backend(cfg: Config, engines: dict[str, Engine], policy: Policy) -> Rollout
     if cfg.rollout.backend == "vllm":
         from rolerl.rollout.vllm_backend import build_vllm_backend
 
-        return build_vllm_backend(cfg, policy, {name: e.tools for name, e in engines.items()})
+        # under train.max_staleness the engines sample from copies: vLLM loads each version into them too
+        replicas = {name: e.model for name, e in engines.items() if e.source is not None}
+        return build_vllm_backend(
+            cfg, policy, {name: e.tools for name, e in engines.items()}, replicas=replicas
+        )
     if cfg.rollout.backend == "lockstep":
         return LockstepBackend(engines)
     if len(engines) == 1:

@@ -253,3 +253,41 @@ def test_auto_backend_resolves_inside_old_logp_resolution(monkeypatch):
     assert resolved.algorithm.old_logp == "recompute" and "vLLM" in why
     policy.device = torch.device("cpu")
     assert resolve_old_logp(cfg, policy)[0].algorithm.old_logp == "rollout"
+
+
+def test_on_a_cpu_every_prompt_is_prefilled_whole():
+    """vLLM's CPU build dies when it splits a seeded request's prefill: the budget per step must hold
+    max_num_seqs whole prompts (64 x 1024 by default), a smaller one given is refused, others are kept."""
+    from rolerl.rollout.vllm_checks import cpu_scheduling
+
+    assert cpu_scheduling({}, 1024) == {
+        "enforce_eager": True,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 65536,
+    }
+    mine = cpu_scheduling({"max_num_seqs": 8, "enforce_eager": False, "max_loras": 4}, 512)
+    assert mine == {"max_num_seqs": 8, "enforce_eager": False, "max_loras": 4, "max_num_batched_tokens": 4096}
+    assert (
+        cpu_scheduling({"max_num_batched_tokens": 10_000, "max_num_seqs": 8}, 512)["max_num_batched_tokens"]
+        == 10_000
+    )
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=2048.*8 x 512 = 4096"):
+        cpu_scheduling({"max_num_batched_tokens": 2048, "max_num_seqs": 8}, 512)
+
+
+def test_the_offline_engine_on_a_cpu_gets_the_whole_prefill_budget(monkeypatch, tmp_path, tiny):
+    """`_offline_llm` builds vLLM's engine with that budget when the model is on a CPU."""
+    import sys
+    import types
+
+    import rolerl.models.load as load
+    import rolerl.rollout.vllm_async as va
+    from rolerl.rollout.vllm_backend import _offline_llm
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0"))
+    monkeypatch.setattr(load, "_resolve_to_directory", lambda spec: spec)
+    built = {}
+    monkeypatch.setattr(va, "AsyncEngine", lambda **kw: built.update(kw) or "engine")
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.max_len=300", "rollout.vllm={max_num_seqs: 4}"])
+    assert _offline_llm(str(tmp_path), cfg, 8, tiny[0]) == "engine"
+    assert built["max_num_batched_tokens"] == 1200 and built["max_num_seqs"] == 4 and built["enforce_eager"]

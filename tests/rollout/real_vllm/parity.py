@@ -112,12 +112,25 @@ def run_all(backend, reqs) -> list[Turn]:
 
 @dataclass
 class Parity:
-    """|rollout - reference| per kind of sampled token."""
+    """|rollout - reference| per kind of sampled token, and the signed `reference - rollout` (the log of
+    the importance weight that truncated importance sampling gives the token)."""
 
     deltas: dict[str, list[float]] = field(default_factory=dict)
+    log_ratios: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, kind: str, delta: float) -> None:
-        self.deltas.setdefault(kind, []).append(delta)
+    def add(self, kind: str, rollout: float, reference: float) -> None:
+        self.deltas.setdefault(kind, []).append(abs(rollout - reference))
+        self.log_ratios.setdefault(kind, []).append(reference - rollout)
+
+    def tis(self, cap: float) -> dict[str, dict[str, float]]:
+        """Per kind, the TIS weights `exp(reference - rollout)` the update would give these tokens: their
+        mean, min and max before the cap, and the share the cap `min(w, cap)` cuts."""
+        out = {}
+        for kind, lr in sorted(self.log_ratios.items()):
+            w = [math.exp(x) for x in lr]
+            out[kind] = {"n": len(w), "mean": sum(w) / len(w), "min": min(w), "max": max(w),
+                         "capped": sum(x > cap for x in w) / len(w)}  # fmt: skip
+        return out
 
     def max(self) -> float:
         return max(max(v) for v in self.deltas.values())
@@ -159,9 +172,21 @@ def parity(
             route = adapters.index(lora.split("@")[0])
             if route not in by_adapter:
                 by_adapter[route] = _row_logprobs(model, turn, route_of, routes=route)
-            seg.add(kind, abs(logp - float(by_adapter[route][i])))
-            routed.add(kind, abs(logp - float(true[i])))
+            seg.add(kind, logp, float(by_adapter[route][i]))
+            routed.add(kind, logp, float(true[i]))
     return seg, routed
+
+
+def engine_parity(model, turns: Sequence[Turn], route_of) -> Parity:
+    """The built-in engine's `turns` against the trainer's true routing (the engine routes every position
+    exactly, so only kernel rounding is left)."""
+    out = Parity()
+    for turn in turns:
+        true = _row_logprobs(model, turn, route_of)
+        for i, (kind, logp) in enumerate(zip(turn.kinds, turn.logprobs, strict=True)):
+            if kind != "tool_output":
+                out.add(kind, logp, float(true[i]))
+    return out
 
 
 def adapter_effect(model, turns: Sequence[Turn], route_of) -> float:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from rolerl.rollout.engine import Engine
 from rolerl.rollout.vllm_backend import VLLMBackend
 from tests.rollout.real_vllm.conftest import REPORT
 from tests.rollout.real_vllm.parity import (
+    FEW_SHOT,
     FP32_BOUND,
     TEMPERATURE,
     TOPOLOGIES,
     Recording,
     adapted_model,
     adapter_effect,
+    engine_parity,
     parity,
     requests,
     run_all,
@@ -55,5 +58,39 @@ def test_logprobs_match_the_trainer_per_kind(engine, default_model_cpu, tmp_path
     else:
         used = {lora.split("@")[0] for _, lora in llm.segments}
         assert used == {"reason", "tool"}  # the adapter switched at the tags
+        # the built-in engine on the same requests routes every position exactly: no mismatch to correct
+        mine = Engine(model, tokenizer, tools={"echo": EchoTool()}, max_len=1024).generate(
+            requests(tokenizer, route_of)
+        )
+        exact = engine_parity(model, mine, route_of)
+        REPORT.append(f"dart TIS weights (cap 2), vLLM: {routed.tis(2.0)}")
+        REPORT.append(f"dart TIS weights (cap 2), built-in engine: {exact.tis(2.0)}")
+        assert exact.max() < FP32_BOUND, exact.summary()
     # the adapters matter: the base model's log-probs of the same tokens are far from vLLM's
     assert adapter_effect(model, turns, route_of) > 10 * FP32_BOUND
+
+
+def test_many_seeded_requests_whose_prompts_overflow_a_step(engine, default_model_cpu, tmp_path):
+    """48 concurrent seeded requests of ~120 prompt tokens each (5,800 in all, more than vLLM's default
+    budget per step on a CPU): vLLM's CPU build splits such prefills and then dies rewinding a seeded
+    request's generator; with the budget rolerl gives it (vllm_checks.cpu_scheduling) every one finishes."""
+    from rolerl.rollout.engine import GenerationRequest
+    from rolerl.rollout.sampling import SamplingParams
+
+    base, tokenizer = default_model_cpu
+    model = adapted_model(base, ["policy"])
+    b = backend_for(engine, model, tokenizer, ["policy"], tmp_path)
+    ids = tokenizer.encode(FEW_SHOT * 2, add_special_tokens=False)
+    route_of = TOPOLOGIES["shared"][1]()
+    reqs = [
+        GenerationRequest(
+            [100 + i, *ids],  # each prompt its own from the first token: no prefix cache hit shortens one
+            SamplingParams(temperature=TEMPERATURE, seed=i, max_new_tokens=2, ignore_eos=True),
+            route_of=route_of,
+        )
+        for i in range(48)
+    ]
+    assert 48 * len(ids) > 4096
+    turns = run_all(b, reqs)
+    b.close()
+    assert [len(t.completion_ids) for t in turns] == [2] * 48
