@@ -28,11 +28,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from _study import main, plot_curves
+from _study import main, plot_curves, reasoner_tools_demos, rolerl
 
 STEPS, TASKS, SAMPLES, EVAL_LIMIT = 6, 4, 4, 64
 COMMON = [
@@ -59,13 +57,6 @@ ARMS = {  # arm -> (workflow, roles its adapters are named after, overrides)
 SEEDED = ("shared", "isolated", "isolated-merged")  # the arms run with every seed; the others with the first
 
 
-def rolerl(*args: str, log: Path) -> None:
-    with log.open("w") as f:
-        subprocess.run(
-            [sys.executable, "-m", "rolerl.cli", *args], stdout=f, stderr=subprocess.STDOUT, check=True
-        )
-
-
 def warm_start(out: Path) -> Path:
     """The demo's imitation warm start (256 format demonstrations x 2 epochs): `out/warm/adapters/policy`."""
     from rolerl.tasks.synthetic import format_task
@@ -84,29 +75,11 @@ def reasoner_tools_warm_start(out: Path) -> Path:
     """The same imitation for `reasoner_tools` (MSARL trains its agents by imitation first): on the same
     256 format problems x 2 epochs, the reasoner asks for the expression in words and answers from the
     result, the coder prints it; `out/warm-rt/adapters/{reasoner,coder}`."""
-    from rolerl.roles import Tags, format_tool_output
-    from rolerl.tasks.synthetic import format_task
-    from rolerl.workflows.reasoner_tools import CODER_SYSTEM, REASONER_SYSTEM
-
     warm = out / "warm-rt"
     if not (warm / "adapters" / "coder" / "adapter_config.json").exists():
         shutil.rmtree(warm, ignore_errors=True)
         warm.mkdir(parents=True)
-        task, rows = format_task(), []
-        for ex in task.examples("train", 256, 0):
-            expr, answer, question = ex.meta["expr"], int(ex.answer), ex.question
-            rows.append({"role": "reasoner", "messages": [
-                {"role": "system", "content": REASONER_SYSTEM}, {"role": "user", "content": question},
-                {"role": "assistant", "content": f"<request>compute {expr}</request>"},
-                {"role": "user", "content": f"Result: {answer}"},
-                {"role": "assistant", "content": f"The answer is <answer>{answer}</answer>."}]})  # fmt: skip
-            code = f"<code>\nprint({expr})\n</code>" + format_tool_output(Tags(), f"{answer}\n")
-            rows.append({"role": "coder", "messages": [
-                {"role": "system", "content": CODER_SYSTEM},
-                {"role": "user", "content": f"Problem: {question}\n\nRequest: compute {expr}"},
-                {"role": "assistant", "content": code}]})  # fmt: skip
-        demos = warm / "demos.jsonl"
-        demos.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        demos = reasoner_tools_demos(warm / "demos.jsonl", 256)
         rolerl("sft", "demo", "--data", str(demos), "--set", f"run.dir={warm}",
                "adapters.preset=isolated", "run.progress=false", log=out / "warm-rt.log")  # fmt: skip
     return warm / "adapters"

@@ -27,7 +27,11 @@ computations, a worker solving with one of them, a synthesizer giving the refere
 Strategies are parsed from lines that start with "Strategy k:" (any case, markdown bold or headings
 around it), "k." or "k)", or a "-", "*", "+" or "•" bullet; unmarked lines continue the item above until
 a blank line; text before the first item is ignored; duplicates (same words, any case or punctuation) are
-dropped. Malformed output (counted, `workflow/orch_workers/malformed/<case>`):
+dropped. The orchestrator's call stops where a `workers + 1`-th "Strategy" line would begin (`plan_stop`:
+"Strategy 4" for 3 workers): after a small warm start the default model, its strategies written, went on
+numbering past `workers` in 11 of 64 plans (docs/WORKFLOWS.md "Warm start"); the stop string ends the
+reply it was sampled in and parses as an empty item (dropped). Malformed output (counted,
+`workflow/orch_workers/malformed/<case>`):
 - `no_strategies`: nothing parsed; the rule: one worker gets the plain problem (no strategy);
 - `too_many_strategies`: more than `workers` distinct strategies; the first `workers` are kept;
 - `empty_answer`: the synthesizer wrote nothing; graded as the empty text (0 for the built-in tasks).
@@ -79,6 +83,11 @@ def parse_strategies(text: str) -> list[str]:
     return out
 
 
+def plan_stop(workers: int) -> tuple[str, ...]:
+    """The orchestrator's stop string: the start of a strategy beyond the `workers` the plan may have."""
+    return (f"Strategy {workers + 1}",)
+
+
 def orchestrator_messages(prompt: Messages, workers: int) -> Messages:
     """The orchestrator's prompt: the strategist's system message and the task `prompt`'s question (its
     own system prompt, the answer format, is the workers' and the synthesizer's, not the planner's)."""
@@ -118,7 +127,9 @@ class OrchWorkers:
 
     async def run(self, ctx: Context, example: Example) -> Episode:
         plan = await ctx.generate(
-            "orchestrator", orchestrator_messages(self.task.prompt(example), self.workers)
+            "orchestrator",
+            orchestrator_messages(self.task.prompt(example), self.workers),
+            stop=plan_stop(self.workers),
         )
         strategies = parse_strategies(ctx.text(plan))
         ctx.measure("plan_valid", 1 <= len(strategies) <= self.workers)

@@ -127,6 +127,16 @@ def test_malformed_plans_and_answers(tokenizer):
     assert not episode.metadata["correct"]
 
 
+def test_the_plan_stops_before_a_strategy_beyond_the_workers(tokenizer):
+    # the engine stops on the stop string and keeps it: the reply ends "Strategy 3"; its empty item is dropped
+    plan = "Strategy 1: add directly\n**Strategy 2:** count up from 2\n**Strategy 3"
+    episode, backend, _ = run(replies(plan=plan), workers=2, tokenizer=tokenizer)
+    orchestrator = backend.calls[0]
+    assert orchestrator.role == "orchestrator" and orchestrator.request.sampling.stop == ("Strategy 3",)
+    assert all("Strategy 3" not in c.request.sampling.stop for c in backend.calls[1:]), "only the plan stops"
+    assert "malformed" not in episode.metadata and episode.metadata["strategies"] == 2
+
+
 def test_options_are_checked():
     assert load_workflow("rolerl.workflows.orch_workers:OrchWorkers", TASK, {"workers": 2}).workers == 2
     with pytest.raises(ValueError, match="workers=0; allowed: an integer >= 1"):
