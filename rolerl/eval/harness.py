@@ -62,7 +62,7 @@ class EvalSpec:
     seed: int = 0
     out: str | None = None  # directory for results.json and samples.jsonl
     resume: bool = False
-    chunk: int = 64  # examples per chunk (samples.jsonl grows chunk by chunk)
+    chunk: int = 64  # examples per chunk (samples.jsonl grows chunk by chunk); at least max_batch / n
     max_batch: int = 32  # rows the engine decodes at once
     progress: bool = True
 
@@ -155,8 +155,9 @@ def rollouts(
     bar,
     completed: int = 0,
 ) -> Iterator[tuple[list[Example], list[list[Episode]]]]:
-    """`spec.n` episodes of each example `todo` names (indices into `examples`), `spec.chunk` examples at a
+    """`spec.n` episodes of each example `todo` names (indices into `examples`), a chunk of examples at a
     time through engines built for `policy`'s models: yields each chunk's examples and their episodes.
+    A chunk is `spec.chunk` examples, or more where `spec.max_batch` rows need more (`chunk_size`).
     Sampling seeds depend on the example's index, so a chunk samples the same tokens whatever ran before."""
     from rolerl.eval.evaluate import evaluate
     from rolerl.run.engines import build_engines, role_calls
@@ -164,9 +165,10 @@ def rollouts(
     tool = spec.tool if spec.tool is not None else getattr(workflow, "tool", None)
     tool = None if tool == "none" else tool
     engines = build_engines(cfg, policy, tool, spec.tool_options, spec.max_batch)
+    size = chunk_size(spec)
     try:
-        for start in range(0, len(todo), spec.chunk):
-            chunk = todo[start : start + spec.chunk]
+        for start in range(0, len(todo), size):
+            chunk = todo[start : start + size]
             result = evaluate(
                 engines, policy.route_of, workflow, [examples[i] for i in chunk],
                 samples=spec.n, greedy=spec.temperature == 0, temperature=spec.temperature or 1.0,
@@ -181,6 +183,13 @@ def rollouts(
             engine.close()
             for t in engine.tools.values():
                 getattr(t, "close", lambda: None)()
+
+
+def chunk_size(spec: EvalSpec) -> int:
+    """Examples per chunk: `spec.chunk`, or enough for `spec.max_batch` rows (n per example). A chunk is one
+    batch that drains before the next starts, so a smaller one would cap the batch below `max_batch`; on
+    the CPU a decode step's time grows slower than its rows (docs/EVALUATION.md, "How long")."""
+    return max(spec.chunk, -(-spec.max_batch // spec.n))
 
 
 def held_out(

@@ -35,6 +35,23 @@ def test_eval_writes_samples_and_metrics_that_agree(tmp_path):
     )
 
 
+def test_a_small_chunk_does_not_cap_the_batch(tmp_path, monkeypatch):
+    from rolerl.rollout.engine import Engine
+
+    rows, step = [], Engine.step
+
+    def counting(engine):
+        rows.append(len(engine.active))
+        return step(engine)
+
+    monkeypatch.setattr(Engine, "step", counting)
+    spec = EvalSpec(**BASE, n=2, temperature=1.0, max_batch=8, out=str(tmp_path / "ev"))  # chunk=2: 4 rows
+    run_eval(spec, log_line=lambda _: None)
+    # chunks of 4 examples x 2 samples fill the 8 rows (2 examples a chunk would run 4 at most)
+    assert max(rows) == 8
+    assert len((tmp_path / "ev" / "samples.jsonl").read_text().splitlines()) == 10
+
+
 def test_resume_after_a_kill_gives_the_uninterrupted_result(tmp_path):
     full = run_eval(
         EvalSpec(**BASE, n=2, temperature=1.0, out=str(tmp_path / "full")), log_line=lambda _: None
