@@ -21,13 +21,12 @@ from rolerl.rollout.vllm_backend import VLLMBackend
 from rolerl.run.policy import build_policy
 from rolerl.train.checkpoint import RunDir
 from rolerl.train.pipeline import RolloutPipeline, snapshot_tensors
-from rolerl.train.policy import token_logprobs
-from rolerl.types import collate
 from rolerl.workflows import SingleTurn
 from tests.models.test_lora import randomize_adapters
 from tests.rollout.fake_vllm import API, FakeLLM, patch_offline_vllm
 from tests.rollout.test_engine import EchoTool
 from tests.rollout.test_vllm_backend import ADAPTERS, reference, run_all, same_turn, tables
+from tests.train.test_async import version_gaps
 from tests.train.test_rl import tiny_config
 from tests.workflows.test_single_turn import EchoTask
 
@@ -218,21 +217,12 @@ def test_staleness_one_through_vllm_tokens_carry_the_version_that_sampled_them(
     assert seen["pipeline"].log == [(1, 0), (2, 0), (3, 1), (4, 2)]  # step s samples step s - 2's adapters
     assert [r["staleness/policy/max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["async/dropped_turns"] == 0.0 for r in rows)
-    model = policy.model
     for step, want in seen["pipeline"].log:
         turns = [t for ep in seen["episodes"][step] for t in ep.turns]
         assert seen["steps"][want]["policy"] == want  # one optimizer step per training step
         assert {v for t in turns for v in t.versions} == {want}  # no tool: every token sampled
-        gaps = {}
-        for w in (want, want + 1):  # the version that sampled, and the next one
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    if "lora_" in k:
-                        p.copy_(seen["weights"][w][f"main/{k}"])
-                batch = collate(turns, [1.0] * len(turns), policy.route_of)
-                logp = token_logprobs(model, batch, temperature=cfg.rollout.temperature).logp
-            mask = batch.loss_mask[:, :-1].bool()
-            gaps[w] = float((logp[mask] - batch.old_logp[:, :-1][mask]).abs().max())
+        # the version that sampled, and the next one
+        gaps = version_gaps(policy, turns, seen["weights"], (want, want + 1), cfg.rollout.temperature)
         assert gaps[want] < 1e-4, f"step {step}: the version recorded reproduces the sampling log-probs"
         assert gaps[want + 1] > 1e-3, f"step {step}: another version does not"
     (llm,) = made

@@ -32,6 +32,23 @@ ASYNC = ["algorithm.old_logp=recompute", "algorithm.tis_cap=2.0"]
 # ---- versions on tokens ------------------------------------------------------------------------------
 
 
+def version_gaps(policy, turns, weights, versions, temperature) -> dict[int, float]:
+    """max |trainer log-prob - recorded sampling log-prob| over `turns`' sampled tokens, with the adapters of
+    each of `versions` (`weights[v]`: the policy's LoRA tensors after step v, keyed `main/<name>`) loaded
+    into `policy.model`."""
+    gaps = {}
+    for w in versions:
+        with torch.no_grad():
+            for k, p in policy.model.named_parameters():
+                if "lora_" in k:
+                    p.copy_(weights[w][f"main/{k}"])
+            batch = collate(turns, [1.0] * len(turns), policy.route_of)
+            logp = token_logprobs(policy.model, batch, temperature=temperature).logp
+        mask = batch.loss_mask[:, :-1].bool()
+        gaps[w] = float((logp[mask] - batch.old_logp[:, :-1][mask]).abs().max())
+    return gaps
+
+
 def test_versions_run_length_round_trip_and_old_turns_read_as_zero():
     assert versions_to_runs([3, 3, 3, -1, -1, 4]) == [[3, 3], [-1, 2], [4, 1]]
     assert runs_to_versions([[3, 3], [-1, 2], [4, 1]]) == [3, 3, 3, -1, -1, 4]
@@ -203,22 +220,13 @@ def test_staleness_one_tokens_carry_the_version_that_sampled_them(tmp_path, monk
     policy = build_policy(cfg, workflow.roles)
     train(cfg, task=task, workflow=workflow, policy=policy)
     assert seen["pipeline"].log == [(1, 0), (2, 0), (3, 1), (4, 2)]  # step s samples step s - 2's adapters
-    model = policy.model
     for step, want in seen["pipeline"].log:
         turns = [t for ep in seen["episodes"][step] for t in ep.turns]
         version = seen["steps"][want]["policy"]
         assert version == want  # one optimizer step per training step
         assert {v for t in turns for v in t.versions} == {version}  # no tool: every token sampled
-        gaps = {}
-        for w in {want, want + 1}:  # the version that sampled, and the next one
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    if "lora_" in k:
-                        p.copy_(seen["weights"][w][f"main/{k}"])
-                batch = collate(turns, [1.0] * len(turns), policy.route_of)
-                logp = token_logprobs(model, batch, temperature=cfg.rollout.temperature).logp
-            mask = batch.loss_mask[:, :-1].bool()
-            gaps[w] = float((logp[mask] - batch.old_logp[:, :-1][mask]).abs().max())
+        # the version that sampled, and the next one
+        gaps = version_gaps(policy, turns, seen["weights"], (want, want + 1), cfg.rollout.temperature)
         assert gaps[want] < 1e-4, f"step {step}: the version recorded reproduces the sampling log-probs"
         assert gaps[want + 1] > 1e-3, f"step {step}: another version does not"
 

@@ -6,17 +6,15 @@ gives the token's sampling log-prob within the parity bound (the next version's 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rolerl.run.policy import build_policy
 from rolerl.train.checkpoint import RunDir
-from rolerl.train.policy import token_logprobs
-from rolerl.types import collate
 from rolerl.workflows import SingleTurn
 from tests.rollout.real_vllm.conftest import REPORT, _drop_loras
 from tests.rollout.real_vllm.parity import FP32_BOUND
 from tests.rollout.real_vllm.test_train import SETTINGS
 from tests.rollout.test_vllm_async_training import Recording
+from tests.train.test_async import version_gaps
 from tests.workflows.test_single_turn import EchoTask
 
 pytestmark = pytest.mark.vllm
@@ -47,20 +45,11 @@ def test_staleness_one_tokens_carry_the_version_vllm_sampled_them_with(engine, t
     seen = Recording.seen
     assert seen["pipeline"].log == [(1, 0), (2, 0), (3, 1)]
     assert [r["staleness/policy/max"] for r in rows] == [0.0, 1.0, 1.0]
-    model, found = policy.model, []
+    found = []
     for step, want in seen["pipeline"].log:
         turns = [t for ep in seen["episodes"][step] for t in ep.turns]
         assert {v for t in turns for v in t.versions} == {want}
-        gaps = {}
-        for w in (want, want + 1):
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    if "lora_" in k:
-                        p.copy_(seen["weights"][w][f"main/{k}"])
-                batch = collate(turns, [1.0] * len(turns), policy.route_of)
-                logp = token_logprobs(model, batch, temperature=cfg.rollout.temperature).logp
-            mask = batch.loss_mask[:, :-1].bool()
-            gaps[w] = float((logp[mask] - batch.old_logp[:, :-1][mask]).abs().max())
+        gaps = version_gaps(policy, turns, seen["weights"], (want, want + 1), cfg.rollout.temperature)
         found.append((round(gaps[want], 6), round(gaps[want + 1], 6)))
         assert gaps[want] < FP32_BOUND, f"step {step}: vLLM sampled with the version recorded"
         assert gaps[want + 1] > 2 * FP32_BOUND, f"step {step}: not with the next one"
