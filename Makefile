@@ -1,6 +1,7 @@
 # Two set-up commands: `make demo` and `make test`. Both create .venv if it is missing.
 # `make test` skips the `slow` tests (the real default model, tests over ~10 s); `make test-all` runs all.
-# ROLERL_TEST_THREADS (default 2) sets torch's thread count for the tests (tests/conftest.py).
+# ROLERL_TEST_THREADS (default 2) sets torch's thread count for the tests (tests/conftest.py);
+# TESTS="tests/train ..." runs `make test` on some paths only.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -28,7 +29,7 @@ demo: install
 	$(BIN)/rolerl demo
 
 test: install-test
-	$(BIN)/python -m pytest -q -m "not slow" --durations=10
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10 $(TESTS)
 
 test-all: install-test
 	$(BIN)/python -m pytest -q --durations=10

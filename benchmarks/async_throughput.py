@@ -20,6 +20,7 @@ server) the update and the generation each have their own hardware. docs/BENCHMA
 
     .venv/bin/python benchmarks/async_throughput.py --json                     # ~25 min on 2 cores
     .venv/bin/python benchmarks/async_throughput.py --lags 0 1 --latency 0.5   # a subset
+    .venv/bin/python benchmarks/async_throughput.py --out runs/async --json    # resumes: finished arms are read
 With --json the last line is one JSON object.
 """
 
@@ -68,6 +69,7 @@ def child(args) -> None:
 
 
 def summarize(metrics: list[dict], lag: int) -> dict:
+    metrics = [r for r in metrics if "time/step" in r]  # the demo appends its evaluations' rows
     rows = [r for r in metrics if r["step"] > 1]
     step = [r["time/step"] for r in rows]
     wait = sum(r["time/rollout"] for r in rows)
@@ -92,6 +94,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="GRPO steps per arm")
     p.add_argument("--demos", type=int, default=128, help="imitation demonstrations of the warm start")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="run directories (default: a new temporary one); an arm whose "
+        "run finished there is read, not run again",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lag", type=int, default=0, help=argparse.SUPPRESS)
@@ -103,7 +111,7 @@ def main() -> None:
     from rolerl.hardware import describe
 
     out = {"cpu": describe(), "threads": os.environ.get("BENCH_THREADS", "torch default"), "arms": []}
-    root = Path(tempfile.mkdtemp(prefix="rolerl-async-"))
+    root = args.out or Path(tempfile.mkdtemp(prefix="rolerl-async-"))
     for latency in args.latency:
         for lag in args.lags:
             run_dir = root / f"lag{lag}-latency{latency}"
@@ -111,7 +119,8 @@ def main() -> None:
                    "--steps", str(args.steps), "--demos", str(args.demos), "--seed", str(args.seed),
                    "--run-dir", str(run_dir)]  # fmt: skip
             t0 = time.perf_counter()
-            subprocess.run(cmd, check=True)
+            if not (run_dir / "results.json").exists():
+                subprocess.run(cmd, check=True)
             rows = [json.loads(x) for x in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()]
             arm = {"lag": lag, "max_staleness": MINI_BATCHES * lag, "latency_s": latency,
                    "wall_s": time.perf_counter() - t0} | summarize(rows, lag)  # fmt: skip
