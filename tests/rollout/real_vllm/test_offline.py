@@ -8,7 +8,6 @@ from rolerl.rollout.engine import Engine
 from rolerl.rollout.vllm_backend import VLLMBackend
 from tests.rollout.real_vllm.conftest import REPORT
 from tests.rollout.real_vllm.parity import (
-    FEW_SHOT,
     FP32_BOUND,
     TEMPERATURE,
     TOPOLOGIES,
@@ -68,29 +67,3 @@ def test_logprobs_match_the_trainer_per_kind(engine, default_model_cpu, tmp_path
         assert exact.max() < FP32_BOUND, exact.summary()
     # the adapters matter: the base model's log-probs of the same tokens are far from vLLM's
     assert adapter_effect(model, turns, route_of) > 10 * FP32_BOUND
-
-
-def test_many_seeded_requests_whose_prompts_overflow_a_step(engine, default_model_cpu, tmp_path):
-    """48 concurrent seeded requests of ~120 prompt tokens each (5,800 in all, more than vLLM's default
-    budget per step on a CPU): vLLM's CPU build splits such prefills and then dies rewinding a seeded
-    request's generator; with the budget rolerl gives it (vllm_checks.cpu_scheduling) every one finishes."""
-    from rolerl.rollout.engine import GenerationRequest
-    from rolerl.rollout.sampling import SamplingParams
-
-    base, tokenizer = default_model_cpu
-    model = adapted_model(base, ["policy"])
-    b = backend_for(engine, model, tokenizer, ["policy"], tmp_path)
-    ids = tokenizer.encode(FEW_SHOT * 2, add_special_tokens=False)
-    route_of = TOPOLOGIES["shared"][1]()
-    reqs = [
-        GenerationRequest(
-            [100 + i, *ids],  # each prompt its own from the first token: no prefix cache hit shortens one
-            SamplingParams(temperature=TEMPERATURE, seed=i, max_new_tokens=2, ignore_eos=True),
-            route_of=route_of,
-        )
-        for i in range(48)
-    ]
-    assert 48 * len(ids) > 4096
-    turns = run_all(b, reqs)
-    b.close()
-    assert [len(t.completion_ids) for t in turns] == [2] * 48
