@@ -275,6 +275,9 @@ def packed_rows_attention(module, query, key, value, attention_mask, dropout=0.0
     one SDPA call of its queries over its prompt's keys and its own. Grouped K/V heads are not repeated."""
     rows: PackedRows = kwargs["rolerl_rows"]
     if query.device.type == "cpu" and dropout == 0.0:
+        if torch.is_autocast_enabled("cpu"):  # as SDPA under autocast: q, k, v in its lower precision (rope
+            dtype = torch.get_autocast_dtype("cpu")  # leaves q and k in fp32 while v is already bf16)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         return _PackedRowsAttention.apply(query, key, value, rows, scaling), None
     outs = []  # attention dropout in training: SDPA per row under autograd
     for i, mask in enumerate(rows.masks):

@@ -178,6 +178,32 @@ def test_reference_route_and_bf16_autocast(tokenizer):
     assert float((bf_shared - bf_plain).abs().mean()) < 0.02
 
 
+def test_packed_rows_under_bf16_autocast(tokenizer, monkeypatch):
+    """Batches too large for eager attention keep SDPA under bf16 autocast, and rows of different lengths
+    run packed (`packed_rows_attention`): there rope leaves q and k in fp32 while v is bf16, which the
+    flash kernel refused ("expected scalar type Float but found BFloat16", a search agent's first update).
+    The packed pass takes autocast's dtype as SDPA does; forward and backward agree with the plain path
+    within bf16 rounding."""
+    from rolerl.train import policy
+
+    monkeypatch.setattr(policy, "EAGER_MAX_SCORES", 0)  # as a long batch: SDPA, not eager
+    model, route_of = routed_model("llama", tokenizer)
+    batch = grouped_batch(route_of, seed=3)
+    with autocast(torch.device("cpu"), True):
+        shared, g_shared = logprobs_and_grads(model, batch, share=True)
+        plain, g_plain = logprobs_and_grads(model, batch, share=False)
+    eps = torch.finfo(torch.bfloat16).eps  # log-probs of ~-30 differ by a few bf16 roundings of their size
+    torch.testing.assert_close(shared.logp, plain.logp, rtol=4 * eps, atol=0.1)
+    assert float((shared.logp - plain.logp).abs().mean()) < 0.02
+    assert g_shared.keys() == g_plain.keys() and {n.rsplit(".", 1)[-1] for n in g_shared} == {
+        "reason",
+        "tool",
+    }
+    for name, g in g_shared.items():  # bf16 rounding: the gradients point the same way
+        cos = torch.nn.functional.cosine_similarity(g.flatten().float(), g_plain[name].flatten().float(), 0)
+        assert float(cos) > 0.99, name
+
+
 def test_no_sharing_when_it_cannot_help_or_cannot_be_masked(tokenizer):
     model, route_of = routed_model("llama", tokenizer)
     distinct = grouped_batch(route_of, groups=((4, 1), (6, 1), (5, 1)))
