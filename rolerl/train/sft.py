@@ -3,11 +3,11 @@
 Data: JSONL, one conversation per line, `{"role": "<workflow role>", "messages": [chat messages]}` (role
 defaults to "policy"), or one model call per line as token ids (`rolerl collect` writes these:
 `{"role", "prompt_ids", "completion_ids", "kinds", "vocab"}`, trained as they are). Each assistant message
-of a conversation is one model call, written the way a rollout writes it:
-reasoning, tool calls in the tool tags, tool output in the engine's format (`format_tool_output`), the
-answer. It is cut with `split_segments` and tokenised segment by segment with `splice_tokenize` (the
-engine's own tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce
-(DESIGN). The prompt of a call is the chat template of the messages before it. Routes come from `shift`
+of a conversation is one model call, written the way a rollout writes it: reasoning, tool calls in the
+tool tags, tool output in the engine's format (`format_tool_output`), the answer, in the tags the
+workflow's role calls with (`rolerl.workflows.role_tags`: the search agent's `<search>`/`<information>`).
+It is cut with `split_segments` and tokenised segment by segment with `splice_tokenize` (the engine's own
+tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce (DESIGN). The prompt of a call is the chat template of the messages before it. Routes come from `shift`
 with the topology, so SFT updates exactly the adapter each token would train in RL; the loss
 (token-mean negative log-likelihood) is on policy kinds only, never on prompt or tool output.
 """
@@ -47,6 +47,7 @@ from rolerl.train.checkpoint import RunDir, prepare_run_dir
 from rolerl.train.optim import lr_factor, policy_optimizer
 from rolerl.train.policy import autocast, select_rows, token_logprobs
 from rolerl.types import TrainBatch, Turn, collate
+from rolerl.workflows import role_tags
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +226,15 @@ def sft(
             raise ValueError(
                 f"demonstration role {row['role']!r} is not in the topology; roles: {sorted(roles)}"
             )
+    tags = role_tags(cfg.task.workflow)  # e.g. the search agent's: a query is a tool call, as in rollouts
     turns = [
         t
         for row in data
         for t in demonstration_turns(
-            policy.tokenizer_of(row["role"]), row, policy.route_of, max_len=cfg.sft.max_len
+            policy.tokenizer_of(row["role"]), row, policy.route_of, tags=tags.get(row["role"]),
+            max_len=cfg.sft.max_len,
         )
-    ]
+    ]  # fmt: skip
     if not turns:
         raise ValueError(f"{cfg.sft.data!r} holds no assistant messages to imitate")
     loss_kinds = None if every_kind else {role: policy.topology.loss_kinds(role) for role in roles}

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rolerl.plugins import import_object
+from rolerl.roles import Tags
 from rolerl.tasks.base import Task
 from rolerl.workflows.base import Context, RoleCalls, Workflow, derive_seed
 from rolerl.workflows.eval_opt import EvalOpt
@@ -32,12 +33,7 @@ def load_workflow(name: str, task: Task, options: Mapping[str, Any] | None = Non
     class or factory taking the task and keyword options: a user's own workflow, no rolerl edit needed).
     `options` are the workflow's settings (`task.workflow_options`: rounds, voters, caps ...)."""
     options = dict(options or {})
-    if name in WORKFLOWS:
-        factory = WORKFLOWS[name]
-    elif ":" in name:
-        factory = import_object(name, "task.workflow")
-    else:
-        raise ValueError(f"unknown workflow {name!r}; built-in: {sorted(WORKFLOWS)}, or package.module:Class")
+    factory = _factory(name)
     try:
         workflow = factory(task, **options)
     except TypeError as e:
@@ -47,9 +43,31 @@ def load_workflow(name: str, task: Task, options: Mapping[str, Any] | None = Non
     return workflow
 
 
+def _factory(name: str) -> Callable[..., Workflow]:
+    if name in WORKFLOWS:
+        return WORKFLOWS[name]
+    if ":" in name:
+        return import_object(name, "task.workflow")
+    raise ValueError(f"unknown workflow {name!r}; built-in: {sorted(WORKFLOWS)}, or package.module:Class")
+
+
+def role_tags(name: str) -> dict[str, Tags]:
+    """The tags each role of workflow `name` calls the model with, where they are not `Tags()` (the
+    workflow class's `role_tags`: the search agent's `<search>`, the reasoner's `<request>`), read without
+    building the workflow. Demonstrations are cut with them (`rolerl sft`), so imitation sees the kinds a
+    rollout records: a query is a tool call, retrieved passages are tool output and carry no loss."""
+    tags = getattr(_factory(name), "role_tags", None) or {}
+    if not isinstance(tags, Mapping) or not all(isinstance(t, Tags) for t in tags.values()):
+        raise ValueError(
+            f"workflow {name!r}: role_tags must map role names to rolerl.roles.Tags; got {tags!r}"
+        )
+    return dict(tags)
+
+
 __all__ = [
     "WORKFLOWS",
     "load_workflow",
+    "role_tags",
     "Context",
     "RoleCalls",
     "SearchAgent",

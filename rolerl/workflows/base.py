@@ -57,7 +57,9 @@ class RoleCalls:
 @runtime_checkable
 class Workflow(Protocol):
     roles: tuple[str, ...]  # the roles it calls `ctx.generate` with (the topology is built for these)
-    # optional: `tool = "python"`, the engine tool it needs when none is configured (`rolerl eval`)
+    # optional: `tool = "python"`, the engine tool it needs when none is configured (`rolerl eval`);
+    # `role_tags = {"policy": SEARCH_TAGS}`, a role whose calls use other tags than `Tags()` (its
+    # demonstrations are cut with them, `rolerl sft`: see `role_tags`)
 
     async def run(self, ctx: Context, example: Example) -> Episode: ...
 

@@ -86,6 +86,7 @@ class ReasonerTools:
     name = "reasoner_tools"
     roles = ("reasoner", "coder")
     tool = "python"  # the engine tool it needs (`rolerl eval` and `collect` default to it)
+    role_tags = {"reasoner": REASONER_TAGS}  # the requests are the reasoner's tool calls
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ class SearchAgent:
     name = "search_agent"
     roles = ("policy",)
     tool = "search"  # the engine tool it needs (`rolerl eval` and `collect` default to it)
+    role_tags = {"policy": SEARCH_TAGS}  # its calls' tags (demonstrations are cut with them)
 
     def __init__(self, task: Task) -> None:
         self.task = task

@@ -194,3 +194,64 @@ def test_rl_starts_from_sft_adapters(tmp_path, caplog):
     assert "no 'judge' adapter; it starts fresh" in caplog.text
     with pytest.raises(FileNotFoundError, match="holds none of this run's adapters"):
         build_policy(load_config(None, [*base, f"adapters.init={tmp_path / 'nothing'}"]), ["judge"])
+
+
+PASSAGES = "Doc 1(Title: Paris) Paris is the capital and largest city of France."
+
+
+def search_text():  # a search agent's reply as its rollout writes it (the passages spliced by the engine)
+    from rolerl.workflows.search_agent import SEARCH_TAGS
+
+    call = "<think>Look it up.</think>\n<search>capital of France</search>"
+    return call + format_tool_output(SEARCH_TAGS, PASSAGES) + "<answer>Paris</answer>"
+
+
+def test_search_agent_demonstrations_are_cut_with_its_tags(tmp_path, tokenizer):
+    """`rolerl sft` with `task.workflow: search_agent` cuts a demonstration with `<search>`/`<information>`
+    as its rollouts do: the query trains the DART tool adapter, the passages carry no loss. With `Tags()`
+    (what sft used before) the whole reply would be reasoning, the passages included."""
+    from rolerl.workflows import role_tags
+    from rolerl.workflows.search_agent import SEARCH_TAGS
+
+    assert role_tags("search_agent") == {"policy": SEARCH_TAGS} and role_tags("tir") == {}
+    assert role_tags("reasoner_tools")["reasoner"].tool_close == "</request>"
+    conversation = {"role": "policy", "messages": [{"role": "user", "content": "Q?"},
+                                                   {"role": "assistant", "content": search_text()}]}  # fmt: skip
+    route_of = dart_route_of()
+    (turn,) = demonstration_turns(tokenizer, conversation, route_of, tags=SEARCH_TAGS)
+    query = [i for i, k in zip(turn.completion_ids, turn.kinds, strict=True) if k == "tool_call"]
+    assert tokenizer.decode(query).strip() == "capital of France</search>"
+    forced = [i for i, k in zip(turn.completion_ids, turn.kinds, strict=True) if k == TOOL_OUTPUT]
+    assert forced == encode_exact(tokenizer, format_tool_output(SEARCH_TAGS, PASSAGES))
+    (plain,) = demonstration_turns(tokenizer, conversation, route_of)
+    assert TOOL_OUTPUT not in plain.kinds and "tool_call" not in plain.kinds
+
+    # The run uses the workflow's tags: its logged token count is the search-tag cut's policy tokens.
+    data = tmp_path / "demos.jsonl"
+    data.write_text(json.dumps(conversation) + "\n")
+    sets = ["model.spec=tiny:llama", "model.device=cpu", "adapters.preset=dart", "adapters.rank=4",
+            f"sft.data={data}", "sft.epochs=1", f"run.dir={tmp_path / 'sft'}", "run.tensorboard=false"]  # fmt: skip
+    _, tok = rolerl.tiny_model("llama", seed=0)
+    (want,) = demonstration_turns(tok, conversation, route_of, tags=SEARCH_TAGS)
+    for workflow, reference in (
+        ("search_agent", want),
+        ("tir", demonstration_turns(tok, conversation, route_of)[0]),
+    ):
+        sft(load_config(None, [*sets, f"task.workflow={workflow}"]), overwrite=True)
+        (row,) = RunDir(tmp_path / "sft", tensorboard=False).read_metrics()
+        assert row["tokens"] == sum(k in POLICY_KINDS for k in reference.kinds)
+    assert sum(k in POLICY_KINDS for k in want.kinds) < sum(k in POLICY_KINDS for k in plain.kinds)
+
+
+def test_role_tags_errors():
+    from rolerl.workflows import role_tags
+
+    with pytest.raises(ValueError, match="unknown workflow 'nope'"):
+        role_tags("nope")
+    with pytest.raises(ValueError, match="role_tags must map role names to rolerl.roles.Tags"):
+        role_tags("tests.train.test_sft:BadTags")
+
+
+class BadTags:
+    roles = ("policy",)
+    role_tags = {"policy": "<search>"}
