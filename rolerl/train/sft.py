@@ -5,15 +5,17 @@ defaults to "policy"), or one model call per line as token ids (`rolerl collect`
 `{"role", "prompt_ids", "completion_ids", "kinds", "vocab"}`, trained as they are). Each assistant message
 of a conversation is one model call, written the way a rollout writes it: reasoning, tool calls in the
 tool tags, tool output in the engine's format (`format_tool_output`), the answer, in the tags the
-workflow's role calls with (`rolerl.workflows.role_tags`: the search agent's `<search>`/`<information>`).
-It is cut with `split_segments` and tokenised segment by segment with `splice_tokenize` (the engine's own
-tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce (DESIGN). The prompt of a call is the chat template of the messages before it. Routes come from `shift`
+workflow's role calls with (`call_tags`: the search agent's `<search>`/`<information>`, `roles.<r>.tags`
+over them). It is cut with `split_segments` and tokenised segment by segment with `splice_tokenize` (the
+engine's own tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce
+(DESIGN). The prompt of a call is the chat template of the messages before it. Routes come from `shift`
 with the topology, so SFT updates exactly the adapter each token would train in RL; the loss
 (token-mean negative log-likelihood) is on policy kinds only, never on prompt or tool output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -226,7 +228,7 @@ def sft(
             raise ValueError(
                 f"demonstration role {row['role']!r} is not in the topology; roles: {sorted(roles)}"
             )
-    tags = role_tags(cfg.task.workflow)  # e.g. the search agent's: a query is a tool call, as in rollouts
+    tags = call_tags(cfg, roles)  # e.g. the search agent's: a query is a tool call, as in rollouts
     turns = [
         t
         for row in data
@@ -272,6 +274,17 @@ def sft(
     for member in policy.members.values():
         for name in adapter_specs(member.model):
             save_adapter(member.model, name, out / name)
+    return out
+
+
+def call_tags(cfg: Config, roles: Sequence[str]) -> dict[str, Tags]:
+    """Each role's tags as its rollout calls use them (`Context.generate`): the workflow's own for the role
+    (`rolerl.workflows.role_tags`, else `Tags()`), with `roles.<r>.tags` replacing theirs."""
+    base = role_tags(cfg.task.workflow)
+    out = {}
+    for role in roles:
+        rc = cfg.roles.get(role)
+        out[role] = dataclasses.replace(base.get(role, Tags()), **((rc.tags or {}) if rc else {}))
     return out
 
 

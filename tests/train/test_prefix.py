@@ -195,10 +195,8 @@ def test_packed_rows_under_bf16_autocast(tokenizer, monkeypatch):
     eps = torch.finfo(torch.bfloat16).eps  # log-probs of ~-30 differ by a few bf16 roundings of their size
     torch.testing.assert_close(shared.logp, plain.logp, rtol=4 * eps, atol=0.1)
     assert float((shared.logp - plain.logp).abs().mean()) < 0.02
-    assert g_shared.keys() == g_plain.keys() and {n.rsplit(".", 1)[-1] for n in g_shared} == {
-        "reason",
-        "tool",
-    }
+    assert g_shared.keys() == g_plain.keys()
+    assert {n.rsplit(".", 1)[-1] for n in g_shared} == {"reason", "tool"}
     for name, g in g_shared.items():  # bf16 rounding: the gradients point the same way
         cos = torch.nn.functional.cosine_similarity(g.flatten().float(), g_plain[name].flatten().float(), 0)
         assert float(cos) > 0.99, name

@@ -233,13 +233,19 @@ def test_search_agent_demonstrations_are_cut_with_its_tags(tmp_path, tokenizer):
             f"sft.data={data}", "sft.epochs=1", f"run.dir={tmp_path / 'sft'}", "run.tensorboard=false"]  # fmt: skip
     _, tok = rolerl.tiny_model("llama", seed=0)
     (want,) = demonstration_turns(tok, conversation, route_of, tags=SEARCH_TAGS)
-    for workflow, reference in (
-        ("search_agent", want),
-        ("tir", demonstration_turns(tok, conversation, route_of)[0]),
+    # `roles.<r>.tags` replace the workflow's, in sft as in rollouts (`Context.generate`)
+    retagged = "roles={policy: {tags: {tool_open: '<search>', tool_close: '</search>', " + (
+        "output_open: '<information>', output_close: '</information>'}}}"
+    )
+    plain_tok = demonstration_turns(tok, conversation, route_of)[0]
+    for extra, reference in (
+        (["task.workflow=search_agent"], want),
+        (["task.workflow=tir"], plain_tok),
+        (["task.workflow=tir", retagged], want),
     ):
-        sft(load_config(None, [*sets, f"task.workflow={workflow}"]), overwrite=True)
+        sft(load_config(None, [*sets, *extra]), overwrite=True)
         (row,) = RunDir(tmp_path / "sft", tensorboard=False).read_metrics()
-        assert row["tokens"] == sum(k in POLICY_KINDS for k in reference.kinds)
+        assert row["tokens"] == sum(k in POLICY_KINDS for k in reference.kinds), extra
     assert sum(k in POLICY_KINDS for k in want.kinds) < sum(k in POLICY_KINDS for k in plain.kinds)
 
 
