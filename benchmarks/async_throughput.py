@@ -106,7 +106,7 @@ def start_retriever(corpus: Path) -> tuple[subprocess.Popen, str]:
         if "serving retrieval at " in line:
             url = line.split("serving retrieval at ", 1)[1].split()[0]
             threading.Thread(target=server.stderr.read, daemon=True).start()  # keep the pipe drained
-            return server, url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
+            return server, url  # the server logs its /retrieve URL
     raise SystemExit(f"rolerl serve-retriever stopped before serving (exit {server.wait()})")
 
 
