@@ -224,6 +224,14 @@ def summarize(results: Path, plot: Path | None) -> str:
     records = [json.loads(p.read_text()) for p in sorted(results.glob("*-s*.json"))]
     if not records:
         return f"no summaries in {results}"
+    budgets: dict[str, list[str]] = {}
+    for r in records:
+        budgets.setdefault(json.dumps(r.get("budget"), sort_keys=True), []).append(f"{r['arm']}-s{r['seed']}")
+    if len(budgets) > 1:  # arms compared at different budgets would say nothing
+        found = "; ".join(f"{b}: {', '.join(runs)}" for b, runs in budgets.items())
+        raise SystemExit(
+            f"{results}: the summaries were run at different budgets ({found}); move one set away"
+        )
     by_arm: dict[str, list[dict]] = {}
     for r in sorted(
         records, key=lambda r: (list(ARMS).index(r["arm"]) if r["arm"] in ARMS else 99, r["seed"])

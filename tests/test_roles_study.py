@@ -103,6 +103,17 @@ def test_summarize_means_standard_errors_and_verdicts(study, tmp_path):
     assert "orch_workers" not in text, "a workflow without summaries gets no table"
 
 
+def test_summarize_refuses_summaries_of_different_budgets(study, tmp_path):
+    a, b = summary("tir", 0, [1, 0], 0.0), summary("reasoner_tools", 0, [1, 1], 0.0)
+    a["budget"], b["budget"] = {"steps": 4}, {"steps": 8}
+    for r in (a, b):
+        (tmp_path / f"{r['arm']}-s0.json").write_text(json.dumps(r))
+    with pytest.raises(
+        SystemExit, match=r'different budgets.*"steps": 8\}: reasoner_tools-s0; \{"steps": 4\}: tir-s0'
+    ):
+        study.summarize(tmp_path, None)
+
+
 def test_every_arm_loads_and_spends_the_same_budget(study):
     from rolerl.config import load_config
 
