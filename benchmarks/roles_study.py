@@ -31,14 +31,14 @@ Each finished run writes `RESULTS/<arm>-s<seed>.json` (the overrides, commit, CP
 accuracy and role metrics before and after with each problem's 0/1, and the per-step metrics); `run` skips
 the runs whose file exists, so the study accumulates across sessions (a run cut short starts again; the
 warm starts and the before-evaluations under `--out` are reused while that directory lives). One process:
-torch uses both cores. Time on 2 cores, estimated (not measured at this budget): docs/RESULTS.md's
-workflow study took ~9.5 min for 6 voting steps at one thread per run (two runs side by side), ~5.5 for
-reasoner_tools and ~1.4 for tir; docs/BENCHMARKS.md's imitation step takes ~2 s per 8 demonstrations of
-~120 tokens. So per run, 4 steps and one held-out evaluation (~1 min): voting and orch_workers ~5-6 min,
-eval_opt ~4-5, reasoner_tools ~4, tir ~1.5; all 11 arms x 3 seeds ~2.5-3 h. The warm starts, once per
-`--out` (rebuilt in a new session: their adapters are not committed): tir and reasoner_tools ~2-3 min,
-voting ~8 (its aggregator rows hold three solutions), eval_opt ~6, orch_workers ~12 (its synthesizer rows
-too). `--quick` runs the same stages on the tiny random model (a test of the script, not a study).
+torch uses both cores (or `OMP_NUM_THREADS=1` for two processes side by side, each on its own workflows: two
+processes must not build one warm start at once).
+Time, measured on a 2-core EPYC (docs/RESULTS.md "Roles study"): tir and reasoner_tools ~22 min for 3 seeds
+with both warm starts at 2 threads; at one thread, two processes side by side, voting's 5 arms x 3 seeds ~81
+min with its warm start (~24 min: its aggregator rows hold three solutions), orch_workers' 2 x 3 ~75 min
+(warm start ~43 min: its synthesizer rows too), eval_opt's seeds 1-2 ~13 min (warm start reused); all 33
+runs ~3 h of wall time. The warm starts are rebuilt in a new session (their adapters are not committed).
+`--quick` runs the same stages on the tiny random model (a test of the script, not a study).
 """
 
 from __future__ import annotations
