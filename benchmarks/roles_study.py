@@ -37,7 +37,7 @@ Time, measured on a 2-core EPYC (docs/RESULTS.md "Roles study"): tir and reasone
 with both warm starts at 2 threads; at one thread, two processes side by side, voting's 5 arms x 3 seeds ~81
 min with its warm start (~24 min: its aggregator rows hold three solutions), orch_workers' 2 x 3 ~75 min
 (warm start ~43 min: its synthesizer rows too), eval_opt's seeds 1-2 ~13 min (warm start reused); all 33
-runs ~3 h of wall time. The warm starts are rebuilt in a new session (their adapters are not committed).
+runs ~2.2 h of wall time. The warm starts are rebuilt in a new session (their adapters are not committed).
 `--quick` runs the same stages on the tiny random model (a test of the script, not a study).
 """
 
