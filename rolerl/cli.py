@@ -908,6 +908,37 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_failures(p: argparse.ArgumentParser) -> None:
+    p.add_argument("evals", nargs="+", metavar="DIR",
+                   help="evaluation directories (`rolerl eval --out`: samples.jsonl and results.json), or a recipe's "
+                        "--out directory (its base, warm and rl evaluations)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the counts as JSON instead of the table")
+
+
+def _run_failures(args: argparse.Namespace) -> int:
+    """Where a math evaluation's answers go wrong: every sample in one class (correct, truncated, format,
+    tool_error, not_reported, arithmetic, reasoning; docs/EVALUATION.md), counted per evaluation, side by
+    side, from its samples.jsonl and the task's gold answers."""
+    from pathlib import Path
+
+    from rolerl.eval.failures import analyze, table
+
+    named = []
+    for d in args.evals:
+        path = Path(d)
+        stages = (
+            [path / "eval" / s for s in ("base", "warm", "rl")]
+            if (path / "recipe.json").is_file()
+            else [path]
+        )
+        for stage in (s for s in stages if s == path or (s / "samples.jsonl").is_file()):
+            parts = stage.parts
+            name = "/".join(parts[-3::2]) if len(parts) >= 3 and parts[-2] == "eval" else stage.name
+            named.append((name, analyze(stage)))
+    print(json.dumps(dict(named), indent=1) if args.json else table(named))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "generate": (
         "generate with the rollout engine (tools, routes, log-probs)",
@@ -956,6 +987,11 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
         "(voting, eval-opt, orch-workers)",
         _configure_demos,
         _run_demos,
+    ),
+    "failures": (
+        "classify a math evaluation's wrong answers (truncated, format, tool error, arithmetic, reasoning ...)",
+        _configure_failures,
+        _run_failures,
     ),
     "configs": (
         "the example configs shipped with rolerl: list, show, copy (any CONFIG argument takes their names)",

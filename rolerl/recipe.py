@@ -213,6 +213,7 @@ def _eval_base(settings: RecipeSettings, root: Path, log: Log) -> dict[str, Any]
 def _eval(settings: RecipeSettings, root: Path, stage: str, run: Path, log: Log) -> dict[str, Any]:
     """Greedy pass@1 of `run`'s adapters (its config: model, topology, role settings) on the test set,
     continuing an evaluation that was cut short."""
+    from rolerl.eval.failures import analyze
     from rolerl.eval.harness import EvalSpec, run_eval
 
     cfg = recipe_config(settings)
@@ -227,7 +228,8 @@ def _eval(settings: RecipeSettings, root: Path, stage: str, run: Path, log: Log)
     result = run_eval(spec, log_line=lambda text: log("  " + text.replace("\n", "\n  ")))
     m = result["metrics"]
     return {"accuracy": m["pass@1"], "stderr": m["stderr"], "n": m["examples"], "tool_use": m["tool_call_rate"],
-            "truncated": m["truncated_rate"], "tokens": m["tokens/mean"], "seconds": result["seconds"]}  # fmt: skip
+            "truncated": m["truncated_rate"], "tokens": m["tokens/mean"], "seconds": result["seconds"],
+            "failures": analyze(out)["counts"]}  # fmt: skip
 
 
 def _imitate(settings: RecipeSettings, root: Path) -> dict[str, Any]:
@@ -281,6 +283,12 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         stage = key.split("/")[0]
         lines.append(f"  {names[stage]:<11} {100 * s['accuracy']:5.1f}% +- {100 * s['stderr']:.1f}  (n={int(s['n'])}, "
                      f"tool use {100 * s['tool_use']:.0f}%, {s['seconds']:.0f}s)")  # fmt: skip
+        wrong = {k: v for k, v in s.get("failures", {}).items() if k != "correct" and v}
+        if wrong:  # where the wrong answers go (rolerl failures)
+            lines.append(
+                "      wrong: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(wrong.items(), key=lambda kv: -kv[1]))
+            )
     if "gain" in results:
         g = results["gain"]
         z = f" ({g['points'] / g['stderr_points']:+.1f} standard errors)" if g["stderr_points"] else ""

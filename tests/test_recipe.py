@@ -60,6 +60,11 @@ def test_every_stage_leaves_its_outputs(recipe):
         samples = [json.loads(line) for line in lines(out / "eval" / stage / "samples.jsonl")]
         assert summary["n"] == len(samples) == 2 and {s["sample"] for s in samples} == {0}
         assert summary["accuracy"] == sum(s["correct"] for s in samples) / 2
+        # where the answers went (rolerl failures): every sample in one class, the right ones as `correct`
+        assert (
+            sum(summary["failures"].values()) == 2
+            and summary["failures"]["correct"] == 2 * summary["accuracy"]
+        )
         assert ids in (None, [s["id"] for s in samples]) and all("/test/" in s["id"] for s in samples)
         ids = [s["id"] for s in samples]
     warm, after = (results["evals"][f"{s}/gsm8k"]["accuracy"] for s in ("warm", "rl"))
