@@ -157,6 +157,10 @@ def _configure_recipe(p: argparse.ArgumentParser) -> None:
                         "$ROLERL_SHARED_DATA)")  # fmt: skip
     p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="config overrides, applied last, e.g. --set sft.epochs=2 rollout.n=4 (repeatable)")  # fmt: skip
+    p.add_argument("--warm-from", default=None, metavar="DIR",
+                   help="start GRPO from another run of this recipe's finished warm start (its demos, sft and "
+                        "base/warm evaluations are copied, not rerun): a second --seed of an RL arm costs only "
+                        "the RL and its evaluation. Its flags must match this run's but --seed and --steps")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bars (the stage lines stay)")
     p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
 
@@ -171,7 +175,8 @@ def _run_recipe(args: argparse.Namespace) -> int:
 
     settings = RecipeSettings(
         args.name, out=args.out, seed=args.seed, model=args.model, topology=args.topology, steps=args.steps,
-        limit=args.limit, demos=args.demos, data=args.data, overrides=tuple(args.set), progress=not args.no_progress,
+        limit=args.limit, demos=args.demos, data=args.data, overrides=tuple(args.set), warm_from=args.warm_from,
+        progress=not args.no_progress,
     )  # fmt: skip
     results = run_recipe(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
     if args.json:

@@ -67,6 +67,9 @@ class RecipeSettings:
     demos: int | None = None  # convert the first N GSM8K train rows only; None = all of them
     data: str | None = None  # the data root holding gsm8k/{train,test}.jsonl; None = the default one
     overrides: tuple[str, ...] = ()  # `section.field=value` for the config, applied last
+    # another run of this recipe whose finished warm start (demos, base and warm evaluations, sft) this one
+    # starts from: only GRPO and its evaluation run here, with this run's --seed
+    warm_from: str | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -87,6 +90,10 @@ class RecipeSettings:
     @property
     def root(self) -> Path:
         return Path(self.out or f"runs/{self.name}")
+
+
+WARM_STAGES = ("demos", "eval-base", "sft", "eval-warm")  # what --warm-from takes from another run
+WARM_OUTPUTS = ("demos.jsonl", "base", "sft", "eval/base", "eval/warm")
 
 
 def data_root(data: str | None) -> Path:
@@ -121,27 +128,37 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
     recipe, root = RECIPES[settings.name], settings.root
     data = data_root(settings.data)
     cfg = recipe_config(settings)  # a bad --set fails here, before any stage
-    _claim(root, settings.name)
     rl = settings.steps != 0
-    n_test = f"{settings.limit} of the {TEST_SIZE}" if settings.limit else f"all {TEST_SIZE}"
-    pipe = Pipeline(7 if rl else 5, log, root)
     # what each stage's outputs depend on: a rerun that changes one of them is refused at that stage
     policy = {"model": cfg.model.spec, "topology": cfg.adapters.preset, "seed": settings.seed,
               "overrides": list(settings.overrides), "data": str(data), "demos": settings.demos}  # fmt: skip
     steps = {"steps": cfg.train.steps if rl else 0}
+    # the warm start's own seed: this run's, or that of the run it is taken from (checked before any write)
+    warm_seed = settings.seed if settings.warm_from is None else _warm_source(settings, policy, rl)
+    _claim(root, settings.name)
+    if settings.warm_from is not None:
+        _copy_warm_start(Path(settings.warm_from).resolve(), root)
+        steps |= {"warm_from": str(Path(settings.warm_from).resolve()), "warm_seed": warm_seed}
+    warm = policy | {"seed": warm_seed}
+    n_test = f"{settings.limit} of the {TEST_SIZE}" if settings.limit else f"all {TEST_SIZE}"
+    pipe = Pipeline(7 if rl else 5, log, root)
     log(f"recipe {settings.name}: {recipe.about}; model {cfg.model.spec}, topology {cfg.adapters.preset}, "
         f"seed {settings.seed}, into {root}")  # fmt: skip
+    if settings.warm_from is not None:
+        log(
+            f"the warm start (seed {warm_seed}) is {settings.warm_from}'s, copied: GRPO runs with seed {settings.seed}"
+        )
     rows = "every" if settings.demos is None else f"the first {settings.demos}"
     made = pipe.run("demos", f"demonstrations ({recipe.demos}) from {rows} GSM8K train rows",
                     lambda: _demos(recipe, root, data, settings, log), {"data": str(data), "demos": settings.demos})  # fmt: skip
     evals: dict[str, dict[str, Any]] = {}
     test = {"limit": settings.limit}
     evals["base"] = pipe.run("eval-base", f"the base model on {n_test} test problems (greedy pass@1)",
-                             lambda: _eval_base(settings, root, log), policy | test)  # fmt: skip
+                             lambda: _eval_base(settings, root, log), warm | test)  # fmt: skip
     pipe.run("sft", f"imitation warm start on {made.get('rows', '?')} demonstrations x {cfg.sft.epochs} epochs",
-             lambda: _imitate(settings, root), policy)  # fmt: skip
+             lambda: _imitate(settings, root), warm)  # fmt: skip
     evals["warm"] = pipe.run("eval-warm", f"the warm start on {n_test} test problems",
-                             lambda: _eval(settings, root, "warm", root / "sft", log), policy | test)  # fmt: skip
+                             lambda: _eval(settings, root, "warm", root / "sft", log), warm | test)  # fmt: skip
     if rl:
         pipe.run("rl", f"GRPO on GSM8K train: {cfg.train.steps} steps x {cfg.train.tasks_per_step} problems x "
                  f"{cfg.rollout.n} samples", lambda: _grpo(settings, root), policy | steps)  # fmt: skip
@@ -159,6 +176,58 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
         log(line)
     log(f"report: {report.get('page')}")
     return results
+
+
+def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> int:
+    """The seed of `--warm-from`'s warm start, after checking that run is this recipe, finished every
+    warm-start stage (WARM_STAGES), and made them with this run's inputs (model, topology, --set, data,
+    --demos, --limit) but the seed."""
+    if not rl:
+        raise ValueError("--warm-from starts GRPO from another run's warm start: it needs --steps >= 1")
+    src = Path(settings.warm_from or "").resolve()
+    if src == settings.root.resolve():
+        raise ValueError(f"--warm-from {settings.warm_from}: that is --out itself")
+    mark = src / "recipe.json"
+    found = json.loads(mark.read_text()).get("recipe") if mark.is_file() else None
+    if found != settings.name:
+        held = f"holds recipe {found!r}" if found else "is not a recipe's directory (no recipe.json)"
+        raise ValueError(f"--warm-from {settings.warm_from} {held}, not {settings.name!r}")
+    missing = [n for n in WARM_STAGES if not (src / "stages" / f"{n}.json").is_file()]
+    if missing:
+        raise ValueError(
+            f"--warm-from {settings.warm_from}: its warm start is not finished (no {', '.join(missing)} stage): "
+            "run that recipe to its end, or with --steps 0"
+        )
+    inputs = json.loads((src / "stages" / "eval-warm.json").read_text())["inputs"]
+    seed = int(inputs.get("seed", 0))
+    ours = json.loads(json.dumps(policy | {"seed": seed, "limit": settings.limit}, default=str))
+    changed = sorted(k for k in inputs.keys() | ours.keys() if inputs.get(k) != ours.get(k))
+    if changed:
+        was = ", ".join(f"{k}={inputs.get(k)!r} (here {ours.get(k)!r})" for k in changed)
+        raise ValueError(f"--warm-from {settings.warm_from}: its warm start was made with {was}")
+    return seed
+
+
+def _copy_warm_start(src: Path, root: Path) -> None:
+    """Copy `src`'s warm start (WARM_OUTPUTS, then their stage markers) into `root`, unless a rerun finds it
+    copied already; a copy cut short is redone (the markers come last)."""
+    import shutil
+
+    if (root / "stages" / "eval-warm.json").is_file():
+        return
+    for name in WARM_OUTPUTS:
+        dest = root / name
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dest)
+        elif (src / name).is_file():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / name, dest)
+    for name in WARM_STAGES:
+        write_json(
+            root / "stages" / f"{name}.json", json.loads((src / "stages" / f"{name}.json").read_text())
+        )
 
 
 def _claim(root: Path, name: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from rolerl.cli import main
 from rolerl.pipeline import Pipeline
+from rolerl.recipe import RECIPES
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the recipes' Python sandbox needs root (CI runs as root)"
@@ -112,6 +113,41 @@ def test_a_stage_cut_short_continues_where_it_stopped(recipe, capsys, caplog):
     assert lines(samples) == first  # the missing sample only, the same one (greedy)
     rows = [json.loads(line) for line in lines(out / "rl" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 0, 1], "no step trained again, no evaluation row twice"
+
+
+def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, capsys):
+    """--warm-from: the first run's demos, sft and base/warm evaluations copied, only GRPO (seed 1) and its
+    evaluation run; a rerun skips everything; a source made with other inputs is refused before any write."""
+    name, out, argv = recipe
+    flags = argv[4:]  # --data ... and the tiny settings, as the first run
+    second = tmp_path / "seed1"
+    assert main(["recipe", name, "--out", str(second), "--seed", "1", "--warm-from", str(out), *flags]) == 0
+    log = capsys.readouterr().out
+    assert log.count("done already") == 4 and f"the warm start (seed 0) is {out}'s, copied" in log
+    first, results = (json.loads((d / "results.json").read_text()) for d in (out, second))
+    assert {k: results["evals"][k] for k in ("base/gsm8k", "warm/gsm8k")} == {
+        k: first["evals"][k] for k in ("base/gsm8k", "warm/gsm8k")
+    }
+    for adapter in (out / "sft" / "adapters").iterdir():
+        copied = second / "sft" / "adapters" / adapter.name / "adapter_model.safetensors"
+        assert copied.read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+    config = (second / "rl" / "config.yaml").read_text()
+    assert "seed: 1" in config and str(second / "sft" / "adapters") in config
+    rl_inputs = json.loads((second / "stages" / "rl.json").read_text())["inputs"]
+    assert rl_inputs["seed"] == 1 and rl_inputs["warm_seed"] == 0 and rl_inputs["warm_from"] == str(out)
+    assert main(["recipe", name, "--out", str(second), "--seed", "1", "--warm-from", str(out), *flags]) == 0
+    assert capsys.readouterr().out.count("done already") == len(STAGES)
+    # refused, naming why, and nothing written
+    fresh = tmp_path / "refused"
+    for extra, message in [
+        (["--limit", "3"], "its warm start was made with limit=2 (here 3)"),
+        (["--steps", "0"], "it needs --steps >= 1"),
+        (["--topology", RECIPES[name].topologies[1]], "topology="),
+    ]:
+        assert main(["recipe", name, "--out", str(fresh), "--warm-from", str(out), *flags, *extra]) == 2
+        assert message in capsys.readouterr().err and not fresh.exists()
+    assert main(["recipe", name, "--out", str(fresh), "--warm-from", str(tmp_path), *flags]) == 2
+    assert "is not a recipe's directory" in capsys.readouterr().err and not fresh.exists()
 
 
 @pytest.mark.parametrize(
