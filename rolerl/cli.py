@@ -921,8 +921,8 @@ def _configure_failures(p: argparse.ArgumentParser) -> None:
 
 
 def _run_failures(args: argparse.Namespace) -> int:
-    """Where a math evaluation's answers go wrong: every sample in one class (correct, truncated, format,
-    tool_error, not_reported, arithmetic, reasoning; docs/EVALUATION.md), counted per evaluation, side by
+    """Where a math evaluation's answers go wrong: every sample in one class (correct, truncated, tool_limit,
+    format, tool_error, not_reported, arithmetic, reasoning; docs/EVALUATION.md), counted per evaluation, side by
     side, from its samples.jsonl and the task's gold answers."""
     from pathlib import Path
 

@@ -5,11 +5,13 @@ The classes, first match wins (a sample cut at the token limit is `truncated` wh
 
 - `correct`: graded right.
 - `truncated`: a turn hit `max_new_tokens`: the episode never finished.
+- `tool_limit`: a turn asked for one tool call more than `max_tool_calls` allows, which ends it unanswered.
 - `format`: finished without a tagged (`<answer>`) or boxed answer (a bare last number may still be graded).
 - `tool_error`: a tool call failed (exception, timeout) and the answer is not a value a successful call printed.
 - `not_reported`: a tool call printed the gold value, the answer is something else.
-- `arithmetic`: a calculation written in the text (`12 * 3 = 38`) is false and the answer is not a value
-  the tool printed: arithmetic done by hand went wrong.
+- `arithmetic`: a calculation written in the prose (`12 * 3 = 38`, or `400 / 10,440,000 = ` a code call,
+  then `3.83` where the tool printed `3.83e-05`) is false and the answer is not a value the tool printed:
+  arithmetic by hand, or a tool result restated wrong.
 - `reasoning`: everything else: the arithmetic that ran is right (the sandbox computes exactly; the text's
   equations hold) but it is not the computation the problem needs, a wrong expression in the code
   included: from outside, a wrong expression and a wrong plan look the same.
@@ -28,21 +30,31 @@ from typing import Any
 
 from rolerl.tasks.math_grader import final_answer
 
-CLASSES = ("correct", "truncated", "format", "tool_error", "not_reported", "arithmetic", "reasoning")
+CLASSES = (
+    "correct",
+    "truncated",
+    "tool_limit",
+    "format",
+    "tool_error",
+    "not_reported",
+    "arithmetic",
+    "reasoning",
+)
 WRONG = CLASSES[1:]
 ABOUT = {
     "correct": "graded right",
     "truncated": "cut at the token limit",
+    "tool_limit": "ended by one tool call too many (max_tool_calls)",
     "format": "no tagged or boxed answer",
     "tool_error": "a tool call failed, the answer is not a value printed by a call that ran",
     "not_reported": "the tool printed the gold value, the answer is another",
-    "arithmetic": "a calculation written in the text is false",
+    "arithmetic": "a calculation or tool result written in the prose is false",
     "reasoning": "the right arithmetic for the wrong computation (plan or code expression)",
 }
 # tool code, tool output, an MSARL request and its result: not the model's own prose
 _BLOCKS = re.compile(r"<(code|output|request|result)>.*?(</\1>|$)", re.S)
 _NUMBER = r"\d[\d,]*(?:\.\d+)?|\.\d+"
-_NUMBERS = re.compile(rf"-?(?:{_NUMBER})")
+_NUMBERS = re.compile(rf"-?(?:{_NUMBER})(?:[eE][-+]?\d+)?")  # Python prints 3.8e-05
 # an equation of the prose: numbers joined by operators, "=", a number ("3 x $4 = $12", "(5+3)/2 = 4")
 _OPERAND = rf"[(]*\s*\$?(?:{_NUMBER})\s*[)]*"
 _EQUATION = re.compile(rf"(?<![\w.])(-?{_OPERAND}(?:\s*[-+*/×x÷]\s*{_OPERAND})+)\s*=\s*\$?(-?(?:{_NUMBER}))")
@@ -98,6 +110,8 @@ def classify(sample: Mapping[str, Any], gold: str | None = None) -> str:
     if sample.get("truncated"):
         return "truncated"
     turns = sample.get("turns") or []
+    if any(t.get("finish_reason") == "tool_limit" for t in turns):
+        return "tool_limit"
     text = turns[-1]["completion"] if turns else ""
     if final_answer(text, ("tag", "boxed")) is None:
         return "format"

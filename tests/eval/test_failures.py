@@ -9,10 +9,18 @@ from rolerl.cli import main
 from rolerl.eval.failures import analyze, classify, false_equations, printed_numbers, to_number
 
 
-def row(completion="", *, correct=False, truncated=False, answer=None, calls=(), turns=None):
+def row(completion="", *, correct=False, truncated=False, answer=None, calls=(), turns=None, finish="stop"):
     """A samples.jsonl row of one policy turn; `calls` = (output, error) pairs."""
     tool_calls = [{"args": {"code": "..."}, "output": out, "error": err} for out, err in calls]
-    turns = turns or [{"role": "policy", "prompt": "", "completion": completion, "tool_calls": tool_calls}]
+    turns = turns or [
+        {
+            "role": "policy",
+            "prompt": "",
+            "completion": completion,
+            "tool_calls": tool_calls,
+            "finish_reason": finish,
+        }
+    ]
     n = sum(len(t["tool_calls"]) for t in turns)
     return {"id": "gsm8k/test/0", "sample": 0, "correct": correct, "truncated": truncated, "answer": answer,
             "tool_calls": n, "turns": turns}  # fmt: skip
@@ -24,6 +32,14 @@ def row(completion="", *, correct=False, truncated=False, answer=None, calls=(),
         (row("<answer>18</answer>", correct=True, answer="18"), "18", "correct"),
         # cut at the token limit wins over everything else it did
         (row("3 * 4 = 13 <code>", truncated=True, answer="13", calls=[("", True)]), "18", "truncated"),
+        # one call more than max_tool_calls ended it: before format (it has no answer either)
+        (
+            row(
+                "2 - 2 = 0 <code>print(2-2)</code>", answer="0", calls=[("0", False)] * 9, finish="tool_limit"
+            ),
+            "18",
+            "tool_limit",
+        ),  # fmt: skip
         (row("so she makes 17 dollars", answer="17"), "18", "format"),  # graded on a bare number, no tag
         (
             row(
@@ -43,6 +59,16 @@ def row(completion="", *, correct=False, truncated=False, answer=None, calls=(),
         (row("<answer>9</answer>", answer="9", calls=[("9", False), ("18", False)]), "18", "not_reported"),
         (row("9 * 2 = 20, so <answer>20</answer>", answer="20", calls=[("9", False)]), "18", "arithmetic"),
         (row("9 * 2 = 20 <answer>20</answer>", answer="20"), "18", "arithmetic"),  # no tool at all
+        # the tool printed 3.8e-05, the prose restates it as 3.8: the equation around the call is false
+        (
+            row(
+                "400 / 10,440,000 = <code>print(400/10440000)</code><output>3.8e-05</output> 3.8 years. <answer>3.8</answer>",
+                answer="3.8",
+                calls=[("3.8e-05", False)],
+            ),
+            "6",
+            "arithmetic",
+        ),  # fmt: skip
         # the answer is what the tool printed: the sandbox's arithmetic is right, the computation is not
         (row("9 * 2 = 20 <answer>20</answer>", answer="20", calls=[("20", False)]), "18", "reasoning"),
         (row("16 - 3 = 13 <answer>26</answer>", answer="26"), "18", "reasoning"),
@@ -93,7 +119,7 @@ def test_false_equations_of_the_prose(text, false):
 
 
 def test_numbers_from_tool_outputs_and_answers():
-    assert printed_numbers("[3, 4.5]\nResult: 1,200\n-7") == [3.0, 4.5, 1200.0, -7.0]
+    assert printed_numbers("[3, 4.5]\nResult: 1,200\n-7\n3.8e-05") == [3.0, 4.5, 1200.0, -7.0, 3.8e-05]
     assert [to_number(s) for s in ("$1,200", "18.50", r"\$5", "-3.", "1/2", None, "abc")] == [
         1200.0, 18.5, 5.0, -3.0, None, None, None]  # fmt: skip
 
