@@ -161,6 +161,10 @@ def _configure_recipe(p: argparse.ArgumentParser) -> None:
                    help="start GRPO from another run of this recipe's finished warm start (its demos, sft and "
                         "base/warm evaluations are copied, not rerun): a second --seed of an RL arm costs only "
                         "the RL and its evaluation. Its flags must match this run's but --seed and --steps")  # fmt: skip
+    p.add_argument("--pass-k", type=int, default=None, metavar="N",
+                   help="also sample the final adapters N times a test problem at the training temperature "
+                        "(rollout.temperature): pass@k for k = 1, 2, 4 ... N and maj@k; ~N times a greedy "
+                        "evaluation's time")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bars (the stage lines stay)")
     p.add_argument("--json", action="store_true", help="print results.json's content as the last line")
 
@@ -176,7 +180,7 @@ def _run_recipe(args: argparse.Namespace) -> int:
     settings = RecipeSettings(
         args.name, out=args.out, seed=args.seed, model=args.model, topology=args.topology, steps=args.steps,
         limit=args.limit, demos=args.demos, data=args.data, overrides=tuple(args.set), warm_from=args.warm_from,
-        progress=not args.no_progress,
+        pass_k=args.pass_k, progress=not args.no_progress,
     )  # fmt: skip
     results = run_recipe(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
     if args.json:
@@ -916,7 +920,7 @@ def _run_report(args: argparse.Namespace) -> int:
 def _configure_failures(p: argparse.ArgumentParser) -> None:
     p.add_argument("evals", nargs="+", metavar="DIR",
                    help="evaluation directories (`rolerl eval --out`: samples.jsonl and results.json), or a recipe's "
-                        "--out directory (its base, warm and rl evaluations)")  # fmt: skip
+                        "--out directory (its base, warm and rl evaluations, and the sampled one of --pass-k)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the counts as JSON instead of the table")
 
 
@@ -932,7 +936,7 @@ def _run_failures(args: argparse.Namespace) -> int:
     for d in args.evals:
         path = Path(d)
         stages = (
-            [path / "eval" / s for s in ("base", "warm", "rl")]
+            [path / "eval" / s for s in ("base", "warm", "rl", "warm-sampled", "rl-sampled")]
             if (path / "recipe.json").is_file()
             else [path]
         )

@@ -70,6 +70,9 @@ class RecipeSettings:
     # another run of this recipe whose finished warm start (demos, base and warm evaluations, sft) this one
     # starts from: only GRPO and its evaluation run here, with this run's --seed
     warm_from: str | None = None
+    pass_k: int | None = (
+        None  # sample the final adapters N times a problem (pass@k, maj@k); None = greedy only
+    )
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -86,6 +89,8 @@ class RecipeSettings:
             raise ValueError(f"--demos {self.demos}: allowed an integer >= 1 (omit it for every train row)")
         if self.steps is not None and self.steps < 0:
             raise ValueError(f"--steps {self.steps}: allowed an integer >= 0 (0 = stop after the warm start)")
+        if self.pass_k is not None and self.pass_k < 2:
+            raise ValueError(f"--pass-k {self.pass_k}: allowed an integer >= 2 (samples per test problem)")
 
     @property
     def root(self) -> Path:
@@ -141,7 +146,7 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
         steps |= {"warm_from": str(Path(settings.warm_from).resolve()), "warm_seed": warm_seed}
     warm = policy | {"seed": warm_seed}
     n_test = f"{settings.limit} of the {TEST_SIZE}" if settings.limit else f"all {TEST_SIZE}"
-    pipe = Pipeline(7 if rl else 5, log, root)
+    pipe = Pipeline((7 if rl else 5) + bool(settings.pass_k), log, root)
     log(f"recipe {settings.name}: {recipe.about}; model {cfg.model.spec}, topology {cfg.adapters.preset}, "
         f"seed {settings.seed}, into {root}")  # fmt: skip
     if settings.warm_from is not None:
@@ -168,6 +173,15 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
                "evals": {f"{stage}/{TASK}": s for stage, s in evals.items()}}  # fmt: skip
     if rl:
         results["gain"] = _gain(evals["warm"], evals["rl"])
+    if settings.pass_k:  # the final adapters sampled at the training temperature, on the same problems
+        stage, run, what = ("rl", root / "rl", "after RL") if rl else ("warm", root / "sft", "the warm start")
+        k, temp = settings.pass_k, cfg.rollout.temperature
+        results["sampled"] = pipe.run(
+            "pass-k", f"{what}: {k} samples per test problem at temperature {temp} (pass@k, maj@k)",
+            lambda: _eval(settings, root, f"{stage}-sampled", run, log, n=k, temperature=temp),
+            policy | steps | test | {"pass_k": k, "temperature": temp},
+        )  # fmt: skip
+        results["sampled"]["stage"] = stage
     report = pipe.run("report", "results.json and the report",
                       lambda: _report(root, results, cfg, rl), policy | steps | test)  # fmt: skip
     results["seconds"] = dict(pipe.seconds)
@@ -279,9 +293,17 @@ def _eval_base(settings: RecipeSettings, root: Path, log: Log) -> dict[str, Any]
     return _eval(settings, root, "base", base, log)
 
 
-def _eval(settings: RecipeSettings, root: Path, stage: str, run: Path, log: Log) -> dict[str, Any]:
-    """Greedy pass@1 of `run`'s adapters (its config: model, topology, role settings) on the test set,
-    continuing an evaluation that was cut short."""
+def _eval(
+    settings: RecipeSettings,
+    root: Path,
+    stage: str,
+    run: Path,
+    log: Log,
+    n: int = 1,
+    temperature: float = 0.0,
+) -> dict[str, Any]:
+    """Greedy pass@1 of `run`'s adapters (its config: model, topology, role settings) on the test set, or
+    `n` samples a problem at `temperature` (pass@k and maj@k too), continuing an evaluation cut short."""
     from rolerl.eval.failures import analyze
     from rolerl.eval.harness import EvalSpec, run_eval
 
@@ -289,7 +311,7 @@ def _eval(settings: RecipeSettings, root: Path, stage: str, run: Path, log: Log)
     out = root / "eval" / stage
     spec = EvalSpec(
         task=TASK, data=cfg.task.data, split="test", workflow=cfg.task.workflow,
-        workflow_options=dict(cfg.task.workflow_options), run=str(run), n=1, temperature=0.0,
+        workflow_options=dict(cfg.task.workflow_options), run=str(run), n=n, temperature=temperature,
         max_new_tokens=cfg.rollout.max_new_tokens, tool=cfg.rollout.tool, max_tool_calls=cfg.rollout.max_tool_calls,
         limit=settings.limit, seed=EVAL_SEED, out=str(out), resume=(out / "samples.jsonl").exists(),
         max_batch=cfg.rollout.max_batch, progress=settings.progress,
@@ -298,7 +320,8 @@ def _eval(settings: RecipeSettings, root: Path, stage: str, run: Path, log: Log)
     m = result["metrics"]
     return {"accuracy": m["pass@1"], "stderr": m["stderr"], "n": m["examples"], "tool_use": m["tool_call_rate"],
             "truncated": m["truncated_rate"], "tokens": m["tokens/mean"], "seconds": result["seconds"],
-            "failures": analyze(out)["counts"]}  # fmt: skip
+            "failures": analyze(out)["counts"],
+            **{k: v for k, v in m.items() if k.startswith(("pass@", "maj@")) and n > 1}}  # fmt: skip
 
 
 def _imitate(settings: RecipeSettings, root: Path) -> dict[str, Any]:
@@ -362,6 +385,12 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         g = results["gain"]
         z = f" ({g['points'] / g['stderr_points']:+.1f} standard errors)" if g["stderr_points"] else ""
         lines.append(f"  RL over the warm start: {g['points']:+.1f} points{z}")
+    if "sampled" in results:
+        s = results["sampled"]
+        ks = sorted(
+            (k for k in s if k.startswith(("pass@", "maj@"))), key=lambda k: (k[0], int(k.split("@")[1]))
+        )
+        lines.append(f"  {names[s['stage']]}, sampled: " + ", ".join(f"{k} {100 * s[k]:.1f}%" for k in ks))
     seconds = results.get("seconds", {})
     lines.append("  stage wall times: " + ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items()))
     return lines

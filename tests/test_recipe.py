@@ -121,7 +121,8 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
     name, out, argv = recipe
     flags = argv[4:]  # --data ... and the tiny settings, as the first run
     second = tmp_path / "seed1"
-    assert main(["recipe", name, "--out", str(second), "--seed", "1", "--warm-from", str(out), *flags]) == 0
+    assert main(["recipe", name, "--out", str(second), "--seed", "1", "--warm-from", str(out), *flags,
+                 "--pass-k", "2"]) == 0  # fmt: skip
     log = capsys.readouterr().out
     assert log.count("done already") == 4 and f"the warm start (seed 0) is {out}'s, copied" in log
     first, results = (json.loads((d / "results.json").read_text()) for d in (out, second))
@@ -135,14 +136,42 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
     assert "seed: 1" in config and str(second / "sft" / "adapters") in config
     rl_inputs = json.loads((second / "stages" / "rl.json").read_text())["inputs"]
     assert rl_inputs["seed"] == 1 and rl_inputs["warm_seed"] == 0 and rl_inputs["warm_from"] == str(out)
-    assert main(["recipe", name, "--out", str(second), "--seed", "1", "--warm-from", str(out), *flags]) == 0
-    assert capsys.readouterr().out.count("done already") == len(STAGES)
+    # --pass-k: the final adapters sampled twice a problem at the training temperature (1.0), pass@1 and @2
+    sampled = [json.loads(line) for line in lines(second / "eval" / "rl-sampled" / "samples.jsonl")]
+    assert sorted((s["id"], s["sample"]) for s in sampled) == sorted(
+        (s["id"], j) for s in sampled[::2] for j in (0, 1)
+    )  # fmt: skip
+    by_id = {}
+    for s in sampled:
+        by_id.setdefault(s["id"], []).append(s["correct"])
+    assert results["sampled"]["pass@2"] == sum(any(c) for c in by_id.values()) / 2
+    assert (
+        results["sampled"]["pass@1"] == sum(map(sum, by_id.values())) / 4
+        and results["sampled"]["stage"] == "rl"
+    )
+    assert "after RL, sampled: pass@1" in log
+    rerun = [
+        "recipe",
+        name,
+        "--out",
+        str(second),
+        "--seed",
+        "1",
+        "--warm-from",
+        str(out),
+        *flags,
+        "--pass-k",
+        "2",
+    ]
+    assert main(rerun) == 0
+    assert capsys.readouterr().out.count("done already") == len(STAGES) + 1
     # refused, naming why, and nothing written
     fresh = tmp_path / "refused"
     for extra, message in [
         (["--limit", "3"], "its warm start was made with limit=2 (here 3)"),
         (["--steps", "0"], "it needs --steps >= 1"),
         (["--topology", RECIPES[name].topologies[1]], "topology="),
+        (["--pass-k", "1"], "--pass-k 1: allowed an integer >= 2"),
     ]:
         assert main(["recipe", name, "--out", str(fresh), "--warm-from", str(out), *flags, *extra]) == 2
         assert message in capsys.readouterr().err and not fresh.exists()
