@@ -16,7 +16,9 @@ Everything goes under one directory (`--out`, default runs/<name>). Each finishe
 (`rolerl.pipeline`), so a rerun of the same command skips what is done and goes on where it stopped: an
 evaluation continues its samples.jsonl, GRPO its newest checkpoint. The test subset (`--limit N`: the
 first N of a fixed shuffle of the 1319 problems) does not depend on `--seed`, so every seed and arm is
-measured on the same problems.
+measured on the same problems. `--warm-from DIR` copies another run's finished warm start (stages 1-4) so
+that only GRPO, with this run's seed, and its evaluation run; `--pass-k N` adds a stage that samples the final
+adapters N times a problem (pass@k, maj@k).
 """
 
 from __future__ import annotations
