@@ -5,7 +5,8 @@ The classes, first match wins (a sample cut at the token limit is `truncated` wh
 
 - `correct`: graded right.
 - `truncated`: a turn hit `max_new_tokens`: the episode never finished.
-- `tool_limit`: a turn asked for one tool call more than `max_tool_calls` allows, which ends it unanswered.
+- `tool_limit`: the last turn asked for one tool call more than `max_tool_calls` allows, which ended the
+  episode unanswered.
 - `format`: finished without a tagged (`<answer>`) or boxed answer (a bare last number may still be graded).
 - `tool_error`: a tool call failed (exception, timeout) and the answer is not a value a successful call printed.
 - `not_reported`: a tool call printed the gold value, the answer is something else.
@@ -110,7 +111,9 @@ def classify(sample: Mapping[str, Any], gold: str | None = None) -> str:
     if sample.get("truncated"):
         return "truncated"
     turns = sample.get("turns") or []
-    if any(t.get("finish_reason") == "tool_limit" for t in turns):
+    if (
+        turns and turns[-1].get("finish_reason") == "tool_limit"
+    ):  # the episode's end (a coder's call cap is not)
         return "tool_limit"
     text = turns[-1]["completion"] if turns else ""
     if final_answer(text, ("tag", "boxed")) is None:

@@ -86,6 +86,9 @@ def test_msarl_turns_read_every_role_and_the_last_turn_answers():
              "tool_calls": [{"args": {}, "output": "18\n", "error": False}]}  # fmt: skip
     last = {"role": "reasoner", "prompt": "", "completion": "<answer>16</answer>", "tool_calls": []}
     assert classify(row(turns=[reasoner, coder, last], answer="16"), "18") == "not_reported"
+    # a coder turn that hit its own call cap does not end the episode: the reasoner's answer is what counts
+    capped = {**coder, "finish_reason": "tool_limit"}
+    assert classify(row(turns=[reasoner, capped, last], answer="16"), "18") == "not_reported"
     # the answer tag in an earlier turn does not count: the final turn has none
     assert classify(row(turns=[last, {**coder, "tool_calls": []}], answer="16"), "18") == "format"
 
