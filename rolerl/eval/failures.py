@@ -41,7 +41,6 @@ CLASSES = (
     "arithmetic",
     "reasoning",
 )
-WRONG = CLASSES[1:]
 ABOUT = {
     "correct": "graded right",
     "truncated": "cut at the token limit",
