@@ -931,15 +931,12 @@ def _run_failures(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rolerl.eval.failures import analyze, table
+    from rolerl.recipe import EVAL_DIRS
 
     named = []
     for d in args.evals:
         path = Path(d)
-        stages = (
-            [path / "eval" / s for s in ("base", "warm", "rl", "warm-sampled", "rl-sampled")]
-            if (path / "recipe.json").is_file()
-            else [path]
-        )
+        stages = [path / "eval" / s for s in EVAL_DIRS] if (path / "recipe.json").is_file() else [path]
         for stage in (s for s in stages if s == path or (s / "samples.jsonl").is_file()):
             parts = stage.parts
             name = "/".join(parts[-3::2]) if len(parts) >= 3 and parts[-2] == "eval" else stage.name

@@ -63,13 +63,20 @@ class Pipeline:
         return summary
 
     def _check_inputs(self, name: str, before: dict[str, Any], now: dict[str, Any]) -> None:
-        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-        if changed:
-            was = ", ".join(f"{k}={before.get(k)!r} (now {now.get(k)!r})" for k in changed)
+        was = differences(before, now)
+        if was:
             raise ValueError(
                 f"{self.root}: stage {name!r} finished with {was}; choose another output directory, or "
                 f"delete {self.marker(name)} and that stage's outputs to run it again"
             )
+
+
+def differences(before: Mapping[str, Any], now: Mapping[str, Any], word: str = "now") -> str:
+    """The inputs that differ, as `key=before (now after), ...` ("" when none); `now` is compared as JSON
+    reads it back, like a marker's."""
+    now = _jsonable(now)
+    changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    return ", ".join(f"{k}={before.get(k)!r} ({word} {now.get(k)!r})" for k in changed)
 
 
 def _jsonable(inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from rolerl.config import Config, load_config
 from rolerl.files import write_json
-from rolerl.pipeline import Log, Pipeline, log_evaluations
+from rolerl.pipeline import Log, Pipeline, differences, log_evaluations
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,8 @@ class RecipeSettings:
     # another run of this recipe whose finished warm start (demos, base and warm evaluations, sft) this one
     # starts from: only GRPO and its evaluation run here, with this run's --seed
     warm_from: str | None = None
-    pass_k: int | None = (
-        None  # sample the final adapters N times a problem (pass@k, maj@k); None = greedy only
-    )
+    # sample the final adapters N times a test problem (pass@k, maj@k); None = greedy only
+    pass_k: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -99,6 +98,7 @@ class RecipeSettings:
         return Path(self.out or f"runs/{self.name}")
 
 
+EVAL_DIRS = ("base", "warm", "rl", "warm-sampled", "rl-sampled")  # the evaluations, under OUT/eval/
 WARM_STAGES = ("demos", "eval-base", "sft", "eval-warm")  # what --warm-from takes from another run
 WARM_OUTPUTS = ("demos.jsonl", "base", "sft", "eval/base", "eval/warm")
 
@@ -203,8 +203,7 @@ def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> 
     src = Path(settings.warm_from or "").resolve()
     if src == settings.root.resolve():
         raise ValueError(f"--warm-from {settings.warm_from}: that is --out itself")
-    mark = src / "recipe.json"
-    found = json.loads(mark.read_text()).get("recipe") if mark.is_file() else None
+    found = _recipe_of(src)
     if found != settings.name:
         held = f"holds recipe {found!r}" if found else "is not a recipe's directory (no recipe.json)"
         raise ValueError(f"--warm-from {settings.warm_from} {held}, not {settings.name!r}")
@@ -216,10 +215,8 @@ def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> 
         )
     inputs = json.loads((src / "stages" / "eval-warm.json").read_text())["inputs"]
     seed = int(inputs.get("seed", 0))
-    ours = json.loads(json.dumps(policy | {"seed": seed, "limit": settings.limit}, default=str))
-    changed = sorted(k for k in inputs.keys() | ours.keys() if inputs.get(k) != ours.get(k))
-    if changed:
-        was = ", ".join(f"{k}={inputs.get(k)!r} (here {ours.get(k)!r})" for k in changed)
+    was = differences(inputs, policy | {"seed": seed, "limit": settings.limit}, word="here")
+    if was:
         raise ValueError(f"--warm-from {settings.warm_from}: its warm start was made with {was}")
     return seed
 
@@ -246,11 +243,17 @@ def _copy_warm_start(src: Path, root: Path) -> None:
         )
 
 
+def _recipe_of(root: Path) -> str | None:
+    """The recipe whose directory `root` is (its recipe.json), or None."""
+    mark = root / "recipe.json"
+    return json.loads(mark.read_text()).get("recipe") if mark.is_file() else None
+
+
 def _claim(root: Path, name: str) -> None:
     """OUT is this recipe's own: refuse another recipe's directory, or one that holds anything else."""
     mark = root / "recipe.json"
     if mark.is_file():
-        found = json.loads(mark.read_text()).get("recipe")
+        found = _recipe_of(root)
         if found != name:
             raise ValueError(f"--out {root} holds recipe {found!r}, not {name!r}: choose another --out")
         return
