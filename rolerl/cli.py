@@ -160,7 +160,9 @@ def _configure_recipe(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-from", default=None, metavar="DIR",
                    help="start GRPO from another run of this recipe's finished warm start (its demos, sft and "
                         "base/warm evaluations are copied, not rerun): a second --seed of an RL arm costs only "
-                        "the RL and its evaluation. Its flags must match this run's but --seed and --steps")  # fmt: skip
+                        "the RL and its evaluation. Its flags must match this run's but --seed, --steps and the "
+                        "--set entries only GRPO reads (train.tasks_per_step, rollout.n/temperature/top_p, "
+                        "optim.lr, task.max_difficulty, algorithm.*)")  # fmt: skip
     p.add_argument("--pass-k", type=int, default=None, metavar="N",
                    help="also sample the final adapters N times a test problem at the training temperature "
                         "(rollout.temperature): pass@k for k = 1, 2, 4 ... N and maj@k; ~N times a greedy "

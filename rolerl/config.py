@@ -132,6 +132,10 @@ class TaskConfig(Section):
     workflow: str = "single_turn"  # a key of rolerl.workflows.WORKFLOWS, or package.module:Class (your own)
     workflow_options: dict[str, bool | int | float | str] = field(default_factory=dict)  # its settings
     split: str = "train"  # the split RL samples tasks from
+    # RL draws only the problems of `split` at most this hard: GSM8K = the reference solution's steps (2-8+),
+    # MATH = its level (1-5); a weak policy then sees more groups with both right and wrong samples (a signal).
+    # Evaluation always reads the whole split. null = every problem
+    max_difficulty: int | None = None
 
     def check(self) -> None:
         from rolerl.tasks import BENCHMARKS, TASKS
@@ -141,6 +145,11 @@ class TaskConfig(Section):
             self.name in TASKS or self.name in BENCHMARKS or ":" in self.name, "name",
             f"{sorted([*TASKS, *BENCHMARKS])} or package.module:factory",
         )  # fmt: skip
+        self.require(
+            self.max_difficulty is None or self.max_difficulty >= 1,
+            "max_difficulty",
+            "null or an integer >= 1",
+        )
         self.require(
             self.name != "jsonl" or bool(self.data), "data", "the path of your JSONL file (task.name=jsonl)"
         )

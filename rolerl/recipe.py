@@ -98,9 +98,23 @@ class RecipeSettings:
         return Path(self.out or f"runs/{self.name}")
 
 
+# the --set keys only GRPO reads (the demonstrations, SFT and the greedy evaluations never do): a run may
+# change them and still share a warm start (--warm-from, or a rerun of its own directory)
+RL_ONLY = ("train.steps", "train.tasks_per_step", "rollout.n", "rollout.temperature", "rollout.top_p",
+           "optim.lr", "task.max_difficulty", "task.split", "algorithm.")  # fmt: skip
 EVAL_DIRS = ("base", "warm", "rl", "warm-sampled", "rl-sampled")  # the evaluations, under OUT/eval/
 WARM_STAGES = ("demos", "eval-base", "sft", "eval-warm")  # what --warm-from takes from another run
 WARM_OUTPUTS = ("demos.jsonl", "base", "sft", "eval/base", "eval/warm")
+
+
+def warm_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """The --set entries the warm start reads: all but those of RL_ONLY's keys (and algorithm.*)."""
+
+    def rl_only(entry: str) -> bool:
+        key = entry.split("=", 1)[0].strip()
+        return key in RL_ONLY or key.startswith(tuple(k for k in RL_ONLY if k.endswith(".")))
+
+    return [o for o in overrides if not rl_only(o)]
 
 
 def data_root(data: str | None) -> Path:
@@ -146,7 +160,7 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
     if settings.warm_from is not None:
         _copy_warm_start(Path(settings.warm_from).resolve(), root)
         steps |= {"warm_from": str(Path(settings.warm_from).resolve()), "warm_seed": warm_seed}
-    warm = policy | {"seed": warm_seed}
+    warm = policy | {"seed": warm_seed, "overrides": warm_overrides(settings.overrides)}
     n_test = f"{settings.limit} of the {TEST_SIZE}" if settings.limit else f"all {TEST_SIZE}"
     pipe = Pipeline((7 if rl else 5) + bool(settings.pass_k), log, root)
     log(f"recipe {settings.name}: {recipe.about}; model {cfg.model.spec}, topology {cfg.adapters.preset}, "
@@ -196,8 +210,8 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
 
 def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> int:
     """The seed of `--warm-from`'s warm start, after checking that run is this recipe, finished every
-    warm-start stage (WARM_STAGES), and made them with this run's inputs (model, topology, --set, data,
-    --demos, --limit) but the seed."""
+    warm-start stage (WARM_STAGES), and made them with this run's inputs (model, topology, the --set entries
+    the warm start reads, data, --demos, --limit) but the seed."""
     if not rl:
         raise ValueError("--warm-from starts GRPO from another run's warm start: it needs --steps >= 1")
     src = Path(settings.warm_from or "").resolve()
@@ -215,7 +229,9 @@ def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> 
         )
     inputs = json.loads((src / "stages" / "eval-warm.json").read_text())["inputs"]
     seed = int(inputs.get("seed", 0))
-    was = differences(inputs, policy | {"seed": seed, "limit": settings.limit}, word="here")
+    inputs |= {"overrides": warm_overrides(inputs.get("overrides", []))}
+    here = policy | {"seed": seed, "limit": settings.limit, "overrides": warm_overrides(settings.overrides)}
+    was = differences(inputs, here, word="here")
     if was:
         raise ValueError(f"--warm-from {settings.warm_from}: its warm start was made with {was}")
     return seed
@@ -237,10 +253,11 @@ def _copy_warm_start(src: Path, root: Path) -> None:
         elif (src / name).is_file():
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / name, dest)
-    for name in WARM_STAGES:
-        write_json(
-            root / "stages" / f"{name}.json", json.loads((src / "stages" / f"{name}.json").read_text())
-        )
+    for name in WARM_STAGES:  # their inputs as this run's warm stages see them (RL-only --set entries out)
+        marker = json.loads((src / "stages" / f"{name}.json").read_text())
+        if "overrides" in marker.get("inputs", {}):
+            marker["inputs"]["overrides"] = warm_overrides(marker["inputs"]["overrides"])
+        write_json(root / "stages" / f"{name}.json", marker)
 
 
 def _recipe_of(root: Path) -> str | None:

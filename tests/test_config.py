@@ -64,6 +64,7 @@ def test_yaml_and_overrides_with_type_coercion(tmp_path):
             r"adapters.preset='mixed'; allowed: \['shared', 'dart', 'isolated', 'masked', 'separate', 'custom', 'none'\]",
         ),
         (["train.steps=0"], r"train.steps=0; allowed: an integer >= 1"),
+        (["task.max_difficulty=0"], r"task.max_difficulty=0; allowed: null or an integer >= 1"),
         (["optim.lr=-1"], r"optim.lr=-1.0; allowed: a number > 0"),
         (["algorithm.clip_c=0.5"], r"algorithm.clip_c=0.5; allowed: None or a number > 1"),
         (["algorithm.tis_cap=2"], r"algorithm.tis_cap=2.0 needs algorithm.old_logp='recompute'"),

@@ -121,8 +121,10 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
     name, out, argv = recipe
     flags = argv[4:]  # --data ... and the tiny settings, as the first run
     second = tmp_path / "seed1"
+    # GRPO's own settings may differ (RL_ONLY): an easier training pool, another temperature
+    rl_only = ["--set", "rollout.temperature=0.7", "task.max_difficulty=3", "train.tasks_per_step=2"]
     assert main(["recipe", name, "--out", str(second), "--seed", "1", "--warm-from", str(out), *flags,
-                 "--pass-k", "2"]) == 0  # fmt: skip
+                 *rl_only, "--pass-k", "2"]) == 0  # fmt: skip
     log = capsys.readouterr().out
     assert log.count("done already") == 4 and f"the warm start (seed 0) is {out}'s, copied" in log
     first, results = (json.loads((d / "results.json").read_text()) for d in (out, second))
@@ -134,9 +136,10 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
         assert copied.read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
     config = (second / "rl" / "config.yaml").read_text()
     assert "seed: 1" in config and str(second / "sft" / "adapters") in config
+    assert "temperature: 0.7" in config and "max_difficulty: 3" in config and "tasks_per_step: 2" in config
     rl_inputs = json.loads((second / "stages" / "rl.json").read_text())["inputs"]
     assert rl_inputs["seed"] == 1 and rl_inputs["warm_seed"] == 0 and rl_inputs["warm_from"] == str(out)
-    # --pass-k: the final adapters sampled twice a problem at the training temperature (1.0), pass@1 and @2
+    # --pass-k: the final adapters sampled twice a problem at the training temperature, pass@1 and @2
     sampled = [json.loads(line) for line in lines(second / "eval" / "rl-sampled" / "samples.jsonl")]
     assert sorted((s["id"], s["sample"]) for s in sampled) == sorted(
         (s["id"], j) for s in sampled[::2] for j in (0, 1)
@@ -160,6 +163,7 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
         "--warm-from",
         str(out),
         *flags,
+        *rl_only,
         "--pass-k",
         "2",
     ]
@@ -172,6 +176,7 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
         (["--steps", "0"], "it needs --steps >= 1"),
         (["--topology", RECIPES[name].topologies[1]], "topology="),
         (["--pass-k", "1"], "--pass-k 1: allowed an integer >= 2"),
+        (["--set", "sft.lr=0.001"], "'sft.lr=0.001'"),  # the warm start reads it
     ]:
         assert main(["recipe", name, "--out", str(fresh), "--warm-from", str(out), *flags, *extra]) == 2
         assert message in capsys.readouterr().err and not fresh.exists()

@@ -387,6 +387,43 @@ class MathTask:
         return t.tool_close in text and tagged
 
 
+DIFFICULTY = {  # what task.max_difficulty reads, per benchmark
+    "gsm8k": "the reference solution's steps (its lines; 2 to 8, a few more)",
+    "math500": "the MATH level (1 to 5)",
+    "math_train": "the MATH level (1 to 5)",
+}
+
+
+def difficulty(name: str, example: Example) -> int | None:
+    """How hard `example` of benchmark `name` is (DIFFICULTY), None where the row does not tell."""
+    if name == "gsm8k":
+        solution = str(example.meta.get("solution", ""))
+        return sum(1 for line in solution.splitlines() if line.strip()) or None
+    if name in DIFFICULTY:
+        level = re.search(r"\d+", str(example.meta.get("level", "")))
+        return int(level.group()) if level else None
+    return None
+
+
+def at_most(task: Any, split: str, max_difficulty: int) -> Any:
+    """`task` with `split` cut to the problems of difficulty <= `max_difficulty` (`Subset`); rows whose
+    difficulty is unknown are left out."""
+    from rolerl.tasks.base import Subset
+
+    name = getattr(task, "name", None)
+    if name not in DIFFICULTY:
+        raise ValueError(
+            f"task.max_difficulty={max_difficulty}: task {name!r} tells no difficulty; allowed for "
+            f"{sorted(DIFFICULTY)} (or null)"
+        )
+
+    def keep(example: Example) -> bool:
+        d = difficulty(name, example)
+        return d is not None and d <= max_difficulty
+
+    return Subset(task, split, keep, f"of difficulty <= {max_difficulty}: {DIFFICULTY[name]}")
+
+
 def _vote_key(answer: str) -> str:
     """A final answer as maj@k compares it: spacing, `\\left`/`\\right`, `$`, degrees and a whole-answer
     `\\text{}` dropped, `\\dfrac` -> `\\frac`, integers canonical (`1,000.0` -> `1000`, `025` -> `25`)."""

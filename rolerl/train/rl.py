@@ -128,6 +128,12 @@ def _train(
         prepare_run_dir(cfg.run.dir, "train", overwrite=overwrite)
     dist.barrier()  # the others start once rank 0 has checked the directory
     task = task if task is not None else load_task(cfg.task.name, cfg.task.data)
+    if cfg.task.max_difficulty is not None:
+        from rolerl.tasks.math import at_most
+
+        task = at_most(task, cfg.task.split, cfg.task.max_difficulty)
+        log.info(f"task.max_difficulty={cfg.task.max_difficulty}: RL draws {len(task.pool)} of the "
+                 f"{task.total} {cfg.task.name}/{cfg.task.split} problems ({task.about})")  # fmt: skip
     workflow = (
         workflow
         if workflow is not None

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from rolerl.tasks.base import Example, Task
-from rolerl.tasks.math import BENCHMARKS, MathTask, load_benchmark, math_task
+from rolerl.tasks.math import BENCHMARKS, MathTask, at_most, difficulty, load_benchmark, math_task
 from rolerl.tasks.math_grader import MathGrader
 
 # (benchmark, split) -> rows kept. math_train: 7500 rows, 4 with an empty answer (SOURCES.md) and one more
@@ -234,3 +234,46 @@ def test_tir_gets_the_tool_prompt_whatever_the_prompt_style(shared_data):
     assert "\\boxed" in task.prompt(ex)[0]["content"]
     system = task.tool_prompt(ex)[0]["content"]
     assert "<code>" in system and "<answer>" in system
+
+
+def test_max_difficulty_cuts_the_training_split_only(shared_data):
+    """task.max_difficulty: GSM8K's difficulty is its reference solution's lines, counted here from the raw
+    file; the cut split draws only those (deterministic, a prefix of a longer draw), the other split is whole."""
+    raw = [json.loads(line) for line in (shared_data / "gsm8k" / "train.jsonl").read_text().splitlines()]
+    steps = {
+        f"gsm8k/train/{i}": len([x for x in r["answer"].split("####")[0].splitlines() if x.strip()])
+        for i, r in enumerate(raw)
+    }
+    easy = at_most(math_task("gsm8k", shared_data), "train", 2)
+    assert isinstance(easy, Task) and easy.size("train") == sum(s <= 2 for s in steps.values()) == 1961
+    assert easy.size("test") == 1319 and easy.examples("test", 5, 0) == easy.task.examples("test", 5, 0)
+    draw = easy.examples("train", 40, seed=1)
+    assert all(steps[e.id] <= 2 for e in draw) and len({e.id for e in draw}) == 40
+    assert easy.examples("train", 10, seed=1) == draw[:10] and easy.examples("train", 40, seed=2) != draw
+    assert sorted(e.id for e in easy.examples("train", 1961, 0)) == sorted(
+        i for i, s in steps.items() if s <= 2
+    )
+    with pytest.raises(
+        ValueError, match=r"n=1962; allowed: 0 <= n <= 1961 \(the examples of difficulty <= 2"
+    ):
+        easy.examples("train", 1962, 0)
+    example = draw[0]  # everything else is the task's own
+    assert easy.prompt(example) == easy.task.prompt(example) and easy.reward(example, example.answer) == 1.0
+
+
+def test_difficulty_per_benchmark(shared_data):
+    assert difficulty("gsm8k", Example("x", "q", "1", {"solution": "a\n\nb <<1+1=2>>2\nc\n"})) == 3
+    assert difficulty("gsm8k", Example("x", "q", "1", {})) is None  # unknown: never drawn
+    assert difficulty("math500", Example("x", "q", "1", {"level": 4})) == 4
+    assert difficulty("math_train", Example("x", "q", "1", {"level": "Level 2"})) == 2
+    assert difficulty("math_train", Example("x", "q", "1", {"level": "Level ?"})) is None
+    hard = at_most(math_task("math500", shared_data), "test", 1)
+    assert hard.size("test") == sum(e.meta["level"] == 1 for e in hard.task.dataset("test").examples) > 0
+    with pytest.raises(
+        ValueError, match=r"task 'aime24' tells no difficulty; allowed for \['gsm8k', 'math500'"
+    ):
+        at_most(math_task("aime24", shared_data), "test", 3)
+    with pytest.raises(
+        ValueError, match=r"gsm8k/train: none of its 7473 examples is of difficulty <= 1: the reference"
+    ):
+        at_most(math_task("gsm8k", shared_data), "train", 1)
