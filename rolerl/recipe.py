@@ -188,7 +188,7 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
     results = {"recipe": settings.name, "settings": dataclasses.asdict(settings), "demos": made,
                "evals": {f"{stage}/{TASK}": s for stage, s in evals.items()}}  # fmt: skip
     if rl:
-        results["gain"] = _gain(evals["warm"], evals["rl"])
+        results["gain"] = _gain(evals["warm"], evals["rl"], root)
     if settings.pass_k:  # the final adapters sampled at the training temperature, on the same problems
         stage, run, what = ("rl", root / "rl", "after RL") if rl else ("warm", root / "sft", "the warm start")
         k, temp = settings.pass_k, cfg.rollout.temperature
@@ -366,11 +366,22 @@ def _grpo(settings: RecipeSettings, root: Path) -> dict[str, Any]:
     return {k: last[k] for k in ("step", "reward/mean", "accuracy") if k in last}
 
 
-def _gain(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    from rolerl.eval import pooled_gain
+def _gain(warm: dict[str, Any], after: dict[str, Any], root: Path) -> dict[str, Any]:
+    """RL's gain over the warm start: as two independent proportions, and paired on the same problems (each
+    problem's change, from both evaluations' samples.jsonl)."""
+    from rolerl.eval import paired_gain, pooled_gain
 
     gain, se = pooled_gain([(warm["accuracy"], int(warm["n"]))], [(after["accuracy"], int(after["n"]))])
-    return {"points": 100 * gain, "stderr_points": 100 * se, "label": "GSM8K test"}
+    p = paired_gain(*(_greedy(root / "eval" / stage) for stage in ("warm", "rl")))
+    paired = {"points": 100 * p.gain, "stderr_points": 100 * p.stderr, "wrong_to_right": p.wrong_to_right,
+              "right_to_wrong": p.right_to_wrong, "n": p.n}  # fmt: skip
+    return {"points": 100 * gain, "stderr_points": 100 * se, "label": "GSM8K test", "paired": paired}
+
+
+def _greedy(out: Path) -> dict[str, bool]:
+    """A greedy evaluation's `problem id -> correct` (its samples.jsonl)."""
+    rows = (json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip())
+    return {row["id"]: bool(row["correct"]) for row in rows}
 
 
 def _report(root: Path, results: dict[str, Any], cfg: Config, rl: bool) -> dict[str, Any]:
@@ -407,6 +418,11 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         g = results["gain"]
         z = f" ({g['points'] / g['stderr_points']:+.1f} standard errors)" if g["stderr_points"] else ""
         lines.append(f"  RL over the warm start: {g['points']:+.1f} points{z}")
+        if "paired" in g:
+            p = g["paired"]
+            z = f", {p['points'] / p['stderr_points']:+.1f} SE" if p["stderr_points"] else ""
+            lines.append(f"    paired on the same {p['n']} problems: {p['points']:+.1f} +- {p['stderr_points']:.1f}"
+                         f"{z} ({p['wrong_to_right']} wrong -> right, {p['right_to_wrong']} right -> wrong)")  # fmt: skip
     if "sampled" in results:
         s = results["sampled"]
         ks = sorted(

@@ -70,6 +70,13 @@ def test_every_stage_leaves_its_outputs(recipe):
         ids = [s["id"] for s in samples]
     warm, after = (results["evals"][f"{s}/gsm8k"]["accuracy"] for s in ("warm", "rl"))
     assert results["gain"]["points"] == pytest.approx(100 * (after - warm))
+    paired = results["gain"]["paired"]  # the same 2 problems' changes, from the two samples.jsonl
+    correct = {stage: {s["id"]: s["correct"] for s in map(json.loads, lines(out / "eval" / stage / "samples.jsonl"))}
+               for stage in ("warm", "rl")}  # fmt: skip
+    up = sum(correct["rl"][i] and not correct["warm"][i] for i in ids)
+    down = sum(correct["warm"][i] and not correct["rl"][i] for i in ids)
+    assert (paired["n"], paired["wrong_to_right"], paired["right_to_wrong"]) == (2, up, down)
+    assert paired["points"] == pytest.approx(results["gain"]["points"])  # the same mean, paired or not
     # the GRPO run: one step, then the recipe's evaluations as its eval rows (0: the warm start)
     rows = [json.loads(line) for line in lines(out / "rl" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 0, 1] and "reward/mean" in rows[0]

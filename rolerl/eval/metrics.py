@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,3 +34,37 @@ def pooled_gain(before: list[tuple[float, int]], after: list[tuple[float, int]])
 
     (p0, n0), (p1, n1) = pool(before), pool(after)
     return p1 - p0, math.sqrt(p0 * (1 - p0) / n0 + p1 * (1 - p1) / n1)
+
+
+@dataclass(frozen=True)
+class PairedGain:
+    """`after - before` on the same problems: the mean of each problem's change (+1 wrong -> right, -1 right
+    -> wrong, 0 unchanged) and its standard error, smaller than `pooled_gain`'s where the two agree."""
+
+    gain: float
+    stderr: float
+    wrong_to_right: int
+    right_to_wrong: int
+    n: int
+
+    @property
+    def z(self) -> float:
+        """The gain in standard errors (McNemar's statistic up to the n/(n-1) of a sample variance)."""
+        return self.gain / self.stderr if self.stderr > 0 else 0.0
+
+
+def paired_gain(before: Mapping[str, bool], after: Mapping[str, bool]) -> PairedGain:
+    """The paired gain of two evaluations of the same problems, each `problem id -> correct`."""
+    if before.keys() != after.keys():
+        only = len(before.keys() - after.keys()), len(after.keys() - before.keys())
+        raise ValueError(
+            f"a paired gain needs the same problems; {only[0]} only before, {only[1]} only after"
+        )
+    n = len(before)
+    if n == 0:
+        raise ValueError("a paired gain needs at least one problem")
+    up = sum(1 for k, ok in after.items() if ok and not before[k])
+    down = sum(1 for k, ok in after.items() if before[k] and not ok)
+    mean = (up - down) / n
+    variance = (up + down) / n - mean * mean  # of the per-problem change, in {-1, 0, 1}
+    return PairedGain(mean, math.sqrt(max(variance, 0.0) / n), up, down, n)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rolerl.eval import EvalResult, pass_at_k, pooled_gain
+from rolerl.eval import EvalResult, paired_gain, pass_at_k, pooled_gain
 from rolerl.tasks.base import Example
 from rolerl.types import Episode
 
@@ -27,6 +27,23 @@ def test_pooled_gain_by_hand():
     gain, se = pooled_gain([(0.25, 100), (0.35, 100)], [(0.5, 100), (0.4, 100)])
     assert gain == pytest.approx(0.15)
     assert se == pytest.approx(math.sqrt(0.3 * 0.7 / 200 + 0.45 * 0.55 / 200))
+
+
+def test_paired_gain_by_hand():
+    before = {"a": True, "b": False, "c": False, "d": True}
+    after = {"d": False, "c": True, "b": True, "a": True}  # b, c wrong -> right; d right -> wrong
+    g = paired_gain(before, after)
+    assert (g.wrong_to_right, g.right_to_wrong, g.n) == (2, 1, 4) and g.gain == 0.25
+    # the changes (0, 1, 1, -1): variance 3/4 - 1/16 = 11/16, the mean's error sqrt(11/64)
+    assert g.stderr == pytest.approx(math.sqrt(11 / 64)) and g.z == pytest.approx(0.25 / math.sqrt(11 / 64))
+    same = paired_gain(before, before)
+    assert (same.gain, same.stderr, same.z) == (0.0, 0.0, 0.0)
+    # the pairing makes agreement count: every problem flipped the same way is a certain change
+    assert paired_gain({"a": False, "b": False}, {"a": True, "b": True}).stderr == 0.0
+    with pytest.raises(ValueError, match="the same problems; 1 only before, 0 only after"):
+        paired_gain(before, {k: v for k, v in after.items() if k != "a"})
+    with pytest.raises(ValueError, match="at least one problem"):
+        paired_gain({}, {})
 
 
 def test_eval_result_accuracy_pass_at_k_and_families():
