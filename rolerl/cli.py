@@ -929,7 +929,8 @@ def _configure_failures(p: argparse.ArgumentParser) -> None:
 def _run_failures(args: argparse.Namespace) -> int:
     """Where a math evaluation's answers go wrong: every sample in one class (correct, truncated, tool_limit,
     format, tool_error, not_reported, arithmetic, reasoning; docs/EVALUATION.md), counted per evaluation, side by
-    side, from its samples.jsonl and the task's gold answers."""
+    side, from its samples.jsonl and the task's gold answers; then the right samples per difficulty of their
+    problem (GSM8K: the solution's steps; MATH: its level)."""
     from pathlib import Path
 
     from rolerl.eval.failures import analyze, table

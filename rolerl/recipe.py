@@ -339,10 +339,11 @@ def _eval(
         max_batch=cfg.rollout.max_batch, progress=settings.progress,
     )  # fmt: skip
     result = run_eval(spec, log_line=lambda text: log("  " + text.replace("\n", "\n  ")))
-    m = result["metrics"]
+    m, failures = result["metrics"], analyze(out)
     return {"accuracy": m["pass@1"], "stderr": m["stderr"], "n": m["examples"], "tool_use": m["tool_call_rate"],
             "truncated": m["truncated_rate"], "tokens": m["tokens/mean"], "seconds": result["seconds"],
-            "failures": analyze(out)["counts"],
+            "failures": failures["counts"],
+            "by_difficulty": {str(level): cell for level, cell in failures["by_difficulty"].items()},
             **{k: v for k, v in m.items() if k.startswith(("pass@", "maj@")) and n > 1}}  # fmt: skip
 
 

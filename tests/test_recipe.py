@@ -66,6 +66,9 @@ def test_every_stage_leaves_its_outputs(recipe):
             sum(summary["failures"].values()) == 2
             and summary["failures"]["correct"] == 2 * summary["accuracy"]
         )
+        # and per difficulty (the solution's steps): the same 2 samples, the same right ones
+        cells = summary["by_difficulty"].values()
+        assert sum(n for n, _ in cells) == 2 and sum(r for _, r in cells) == summary["failures"]["correct"]
         assert ids in (None, [s["id"] for s in samples]) and all("/test/" in s["id"] for s in samples)
         ids = [s["id"] for s in samples]
     warm, after = (results["evals"][f"{s}/gsm8k"]["accuracy"] for s in ("warm", "rl"))

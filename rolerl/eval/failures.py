@@ -17,8 +17,11 @@ The classes, first match wins (a sample cut at the token limit is `truncated` wh
   equations hold) but it is not the computation the problem needs, a wrong expression in the code
   included: from outside, a wrong expression and a wrong plan look the same.
 
-`no_tool` counts, besides, the wrong samples that never called a tool. Needs the gold answers, which the
-task's `dataset(split)` gives (the math benchmarks); without them `not_reported` is never assigned."""
+`no_tool` counts, besides, the wrong samples that never called a tool, and `by_difficulty` the samples and
+the correct ones per difficulty of their problem (`rolerl.tasks.math.difficulty`: GSM8K's solution steps,
+MATH's level), which shows where a policy is right at all (and what `task.max_difficulty` keeps). Needs the
+task's `dataset(split)` (the math benchmarks); without it `not_reported` is never assigned and
+`by_difficulty` is empty."""
 
 from __future__ import annotations
 
@@ -143,10 +146,12 @@ def read_samples(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def golds_for(eval_dir: str | Path, samples: Sequence[Mapping[str, Any]] = ()) -> dict[str, str]:
-    """Example id -> gold answer for the evaluation in `eval_dir`: the task, data and split its results.json
-    names, or (an evaluation still running) the ones its first sample's id names (`gsm8k/test/17`, the
-    default data); empty when neither gives a task that lists its examples."""
+def examples_for(
+    eval_dir: str | Path, samples: Sequence[Mapping[str, Any]] = ()
+) -> tuple[str, dict[str, Any]]:
+    """The task name and its examples by id for the evaluation in `eval_dir`: the task, data and split its
+    results.json names, or (an evaluation still running) the ones its first sample's id names
+    (`gsm8k/test/17`, the default data); no examples when neither gives a task that lists them."""
     from rolerl.tasks import load_task
 
     results = Path(eval_dir) / "results.json"
@@ -157,23 +162,33 @@ def golds_for(eval_dir: str | Path, samples: Sequence[Mapping[str, Any]] = ()) -
         name, split, _ = str(samples[0]["id"]).split("/")
         data = None
     else:
-        return {}
+        return "", {}
     try:
         dataset = getattr(load_task(name, data), "dataset", None)
-        return {} if dataset is None else {ex.id: ex.answer for ex in dataset(split).examples}
+        return name, {} if dataset is None else {ex.id: ex for ex in dataset(split).examples}
     except (ValueError, KeyError, OSError):  # not a task by that name, or its data is elsewhere
-        return {}
+        return name, {}
 
 
-def tally(samples: Iterable[Mapping[str, Any]], golds: Mapping[str, str]) -> dict[str, Any]:
-    """Counts per class, the wrong samples without a tool call, and the first ids of each class."""
+def tally(
+    samples: Iterable[Mapping[str, Any]], golds: Mapping[str, str], levels: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """Counts per class, the wrong samples without a tool call, the first ids of each class, and per
+    difficulty (`levels`: example id -> difficulty; samples of an id it lacks are not counted there) the
+    samples and the correct ones: `by_difficulty` = {difficulty: [samples, correct]}, in ascending order."""
     counts: Counter[str] = Counter()
     firsts: dict[str, list[str]] = {}
+    by_level: dict[int, list[int]] = {}
     no_tool = wrong = total = 0
     for s in samples:
         total += 1
         kind = classify(s, golds.get(s["id"]))
         counts[kind] += 1
+        level = (levels or {}).get(s["id"])
+        if level is not None:
+            cell = by_level.setdefault(level, [0, 0])
+            cell[0] += 1
+            cell[1] += kind == "correct"
         if kind != "correct":
             wrong += 1
             no_tool += not s.get("tool_calls")
@@ -181,13 +196,18 @@ def tally(samples: Iterable[Mapping[str, Any]], golds: Mapping[str, str]) -> dic
             if len(ids) < 3:
                 ids.append(f"{s['id']}#{s.get('sample', 0)}")
     return {"samples": total, "wrong": wrong, "counts": {k: counts[k] for k in CLASSES},
-            "no_tool": no_tool, "examples": firsts}  # fmt: skip
+            "no_tool": no_tool, "examples": firsts,
+            "by_difficulty": {level: by_level[level] for level in sorted(by_level)}}  # fmt: skip
 
 
 def analyze(eval_dir: str | Path) -> dict[str, Any]:
-    """`tally` of an evaluation directory (its samples.jsonl and the gold answers of its task)."""
+    """`tally` of an evaluation directory (its samples.jsonl, the gold answers and difficulties of its task)."""
+    from rolerl.tasks.math import difficulty
+
     samples = read_samples(eval_dir)
-    return tally(samples, golds_for(eval_dir, samples))
+    name, examples = examples_for(eval_dir, samples)
+    levels = {i: d for i, ex in examples.items() if (d := difficulty(name, ex)) is not None}
+    return tally(samples, {i: ex.answer for i, ex in examples.items()}, levels)
 
 
 def table(named: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
@@ -202,4 +222,14 @@ def table(named: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
         about = "wrong, without any tool call" if kind == "no_tool" else ABOUT[kind]
         lines.append(f"{kind:<13}" + "".join(f"  {c:>{width}}" for c in cells) + f"   {about}")
     lines.append(f"{'samples':<13}" + "".join(f"  {t['samples']:>{width}}" for _, t in named))
+    levels = sorted({d for _, t in named for d in t.get("by_difficulty", {})})
+    if levels:
+        lines += ["", f"{'difficulty':<13}" + "".join(f"{name:>{width + 2}}" for name, _ in named)
+                  + "   correct of the samples of problems this hard (GSM8K: solution steps; MATH: level)"]  # fmt: skip
+        for level in levels:
+            cells = []
+            for _, t in named:
+                n, right = t.get("by_difficulty", {}).get(level, (0, 0))
+                cells.append(f"{right}/{n} {100 * right / max(n, 1):5.1f}%")
+            lines.append(f"{level:<13}" + "".join(f"  {c:>{width}}" for c in cells))
     return "\n".join(lines)

@@ -2,11 +2,12 @@
 prose-equation checker on adversarial text, and the command on a recipe directory with real gold answers."""
 
 import json
+import re
 
 import pytest
 
 from rolerl.cli import main
-from rolerl.eval.failures import analyze, classify, false_equations, printed_numbers, to_number
+from rolerl.eval.failures import analyze, classify, false_equations, printed_numbers, table, tally, to_number
 
 
 def row(completion="", *, correct=False, truncated=False, answer=None, calls=(), turns=None, finish="stop"):
@@ -149,11 +150,29 @@ def test_the_command_on_a_recipe_directory(tmp_path, shared_data, capsys):
     assert got["recipe/warm"]["counts"] | {} == {**dict.fromkeys(got["recipe/warm"]["counts"], 0),
                                                 "correct": 1, "not_reported": 1}  # fmt: skip
     assert got["recipe/warm"]["examples"] == {"not_reported": ["gsm8k/test/0#0"]}
+    # gsm8k/test/0's solution has 2 steps (its 2 lines before "#### 18"): difficulty 2
+    assert got["recipe/base"]["by_difficulty"] == {"2": [1, 0]}
+    assert got["recipe/warm"]["by_difficulty"] == {"2": [2, 1]}
     # an evaluation still running has no results.json: the gold comes from the sample ids and the default data
     (root / "eval" / "warm" / "results.json").unlink()
     assert analyze(root / "eval" / "warm")["counts"]["not_reported"] == 1
     assert main(["failures", str(root / "eval" / "warm")]) == 0
     table = capsys.readouterr().out
     assert "not_reported" in table and "50.0%" in table
+    assert re.search(r"^2 +1/2 +50\.0%$", table, re.M)  # the difficulty block: 1 of 2 samples right
     assert main(["failures", str(tmp_path / "nothing")]) == 2
     assert "no samples.jsonl" in capsys.readouterr().err
+
+
+def test_by_difficulty_counts_samples_and_correct_per_level():
+    """Two samples of a level-2 problem (one right), one of a level-5 one (wrong), one whose problem has no
+    difficulty (not counted there, still counted as a class)."""
+    samples = [dict(row("<answer>18</answer>", correct=True, answer="18"), id="a"),
+               dict(row("<answer>9</answer>", answer="9"), id="a", sample=1),
+               dict(row("<answer>7</answer>", answer="7"), id="b"),
+               dict(row("<answer>1</answer>", answer="1"), id="c")]  # fmt: skip
+    got = tally(samples, {}, {"a": 2, "b": 5})
+    assert got["by_difficulty"] == {2: [2, 1], 5: [1, 0]} and list(got["by_difficulty"]) == [2, 5]
+    assert got["samples"] == 4 and got["counts"]["correct"] == 1
+    assert tally(samples, {})["by_difficulty"] == {}
+    assert "difficulty" not in table([("x", tally(samples, {}))])
