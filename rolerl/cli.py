@@ -130,6 +130,8 @@ def _configure_recipe(p: argparse.ArgumentParser) -> None:
             "  rolerl recipe gsm8k-tir                          the whole pipeline, default model, full test set\n"
             "  rolerl recipe gsm8k-tir --limit 100 --steps 5 --demos 500 --out runs/tir-check    a short check\n"
             "  rolerl recipe gsm8k-tir --topology dart --seed 1 --out runs/gsm8k-tir-dart-s1\n"
+            "  rolerl recipe gsm8k-tir --topology dart --warm-from runs/gsm8k-tir --out runs/gsm8k-tir-dart-rl\n"
+            "                                                   DART's GRPO from the shared warm start\n"
             "  rolerl recipe gsm8k-msarl --set sft.epochs=2 train.steps=200\n"
             "  rolerl report runs/gsm8k-tir runs/gsm8k-tir-dart-s1    compare finished recipes"
         )
@@ -162,7 +164,9 @@ def _configure_recipe(p: argparse.ArgumentParser) -> None:
                         "base/warm evaluations are copied, not rerun): a second --seed of an RL arm costs only "
                         "the RL and its evaluation. Its flags must match this run's but --seed, --steps and the "
                         "--set entries only GRPO reads (train.tasks_per_step, rollout.n/temperature/top_p, "
-                        "optim.lr, task.max_difficulty, algorithm.*)")  # fmt: skip
+                        "optim.lr, task.max_difficulty, algorithm.*); --topology too where DIR's warm start has one "
+                        "adapter (shared): each adapter of this run's topology (dart: reason, tool) starts from "
+                        "it")  # fmt: skip
     p.add_argument("--pass-k", type=int, default=None, metavar="N",
                    help="also sample the final adapters N times a test problem at the training temperature "
                         "(rollout.temperature): pass@k for k = 1, 2, 4 ... N and maj@k; ~N times a greedy "

@@ -95,6 +95,9 @@ class AdaptersConfig(Section):
     per_adapter: dict[str, AdapterConfig] = field(default_factory=dict)  # name -> rank, alpha, lr, trainable
     target_modules: str | list[str] = "all-linear"  # 'all-linear', a path regex, or names [q_proj, ...]
     init: str | None = None  # a directory with one PEFT adapter per name (e.g. `rolerl sft` output)
+    # this run's adapter -> the adapter under `init` it starts from, where the names differ; "*" = every one
+    # not listed. {"*": policy}: DART's reason and tool adapters both start from one shared warm start
+    init_from: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
         from rolerl.roles import POLICY_KINDS  # lazily: validating a config needs no torch until here
@@ -111,6 +114,11 @@ class AdaptersConfig(Section):
             )
         self.require(self.rank > 0, "rank", "an integer > 0")
         self.require(self.alpha is None or self.alpha > 0, "alpha", "None or a number > 0")
+        if self.init_from and not self.init:
+            raise ConfigError(
+                f"adapters.init_from={self.init_from} names adapters to start from, but adapters.init (the "
+                "directory holding them) is not set"
+            )
 
 
 def _kinds_ok(kinds: list[str] | None) -> bool:

@@ -154,13 +154,23 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
     policy = {"model": cfg.model.spec, "topology": cfg.adapters.preset, "seed": settings.seed,
               "overrides": list(settings.overrides), "data": str(data), "demos": settings.demos}  # fmt: skip
     steps = {"steps": cfg.train.steps if rl else 0}
-    # the warm start's own seed: this run's, or that of the run it is taken from (checked before any write)
-    warm_seed = settings.seed if settings.warm_from is None else _warm_source(settings, policy, rl)
+    # the warm start's own seed and topology: this run's, or those of the run it is taken from (checked
+    # before any write)
+    warm_seed, warm_topology = (
+        (settings.seed, cfg.adapters.preset)
+        if settings.warm_from is None
+        else _warm_source(settings, policy, rl)
+    )
     _claim(root, settings.name)
     if settings.warm_from is not None:
         _copy_warm_start(Path(settings.warm_from).resolve(), root)
         steps |= {"warm_from": str(Path(settings.warm_from).resolve()), "warm_seed": warm_seed}
-    warm = policy | {"seed": warm_seed, "overrides": warm_overrides(settings.overrides)}
+        steps |= {"warm_topology": warm_topology} if warm_topology != cfg.adapters.preset else {}
+    warm = policy | {
+        "seed": warm_seed,
+        "topology": warm_topology,
+        "overrides": warm_overrides(settings.overrides),
+    }
     n_test = f"{settings.limit} of the {TEST_SIZE}" if settings.limit else f"all {TEST_SIZE}"
     pipe = Pipeline((7 if rl else 5) + bool(settings.pass_k), log, root)
     log(f"recipe {settings.name}: {recipe.about}; model {cfg.model.spec}, topology {cfg.adapters.preset}, "
@@ -169,6 +179,9 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
         log(
             f"the warm start (seed {warm_seed}) is {settings.warm_from}'s, copied: GRPO runs with seed {settings.seed}"
         )
+    if warm_topology != cfg.adapters.preset:
+        log(f"  it is a {warm_topology} warm start: each {cfg.adapters.preset} adapter starts from its one adapter, "
+            "so GRPO starts from the very policy the warm start's evaluation measured")  # fmt: skip
     rows = "every" if settings.demos is None else f"the first {settings.demos}"
     made = pipe.run("demos", f"demonstrations ({recipe.demos}) from {rows} GSM8K train rows",
                     lambda: _demos(recipe, root, data, settings, log), {"data": str(data), "demos": settings.demos})  # fmt: skip
@@ -182,7 +195,7 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
                              lambda: _eval(settings, root, "warm", root / "sft", log), warm | test)  # fmt: skip
     if rl:
         pipe.run("rl", f"GRPO on GSM8K train: {cfg.train.steps} steps x {cfg.train.tasks_per_step} problems x "
-                 f"{cfg.rollout.n} samples", lambda: _grpo(settings, root), policy | steps)  # fmt: skip
+                 f"{cfg.rollout.n} samples", lambda: _grpo(settings, root, warm_topology), policy | steps)  # fmt: skip
         evals["rl"] = pipe.run("eval-rl", f"after RL on {n_test} test problems",
                                lambda: _eval(settings, root, "rl", root / "rl", log), policy | steps | test)  # fmt: skip
     results = {"recipe": settings.name, "settings": dataclasses.asdict(settings), "demos": made,
@@ -208,10 +221,11 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
     return results
 
 
-def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> int:
-    """The seed of `--warm-from`'s warm start, after checking that run is this recipe, finished every
-    warm-start stage (WARM_STAGES), and made them with this run's inputs (model, topology, the --set entries
-    the warm start reads, data, --demos, --limit) but the seed."""
+def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> tuple[int, str]:
+    """The seed and topology of `--warm-from`'s warm start, after checking that run is this recipe, finished
+    every warm-start stage (WARM_STAGES), and made them with this run's inputs (model, the --set entries the
+    warm start reads, data, --demos, --limit) but the seed, and with this run's topology or one adapter (a
+    shared warm start, which every adapter of this run's topology then starts from)."""
     if not rl:
         raise ValueError("--warm-from starts GRPO from another run's warm start: it needs --steps >= 1")
     src = Path(settings.warm_from or "").resolve()
@@ -228,13 +242,30 @@ def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> 
             "run that recipe to its end, or with --steps 0"
         )
     inputs = json.loads((src / "stages" / "eval-warm.json").read_text())["inputs"]
-    seed = int(inputs.get("seed", 0))
+    seed, topology = int(inputs.get("seed", 0)), str(inputs.get("topology", policy["topology"]))
     inputs |= {"overrides": warm_overrides(inputs.get("overrides", []))}
-    here = policy | {"seed": seed, "limit": settings.limit, "overrides": warm_overrides(settings.overrides)}
+    here = policy | {"seed": seed, "topology": topology, "limit": settings.limit,
+                     "overrides": warm_overrides(settings.overrides)}  # fmt: skip
     was = differences(inputs, here, word="here")
     if was:
         raise ValueError(f"--warm-from {settings.warm_from}: its warm start was made with {was}")
-    return seed
+    held = _adapters(src / "sft")
+    if topology != policy["topology"] and len(held) != 1:
+        raise ValueError(
+            f"--warm-from {settings.warm_from}: its warm start is --topology {topology}, with the adapters "
+            f"{held}; a run of another topology (here {policy['topology']}) starts every adapter from a warm "
+            "start's one adapter: take it from a --topology shared run, or run this topology's own warm start"
+        )
+    return seed, topology
+
+
+def _adapters(run: Path) -> list[str]:
+    """The adapters a run directory saved (its adapters/<name> PEFT directories)."""
+    return (
+        sorted(p.name for p in (run / "adapters").iterdir() if p.is_dir())
+        if (run / "adapters").is_dir()
+        else []
+    )
 
 
 def _copy_warm_start(src: Path, root: Path) -> None:
@@ -355,12 +386,18 @@ def _imitate(settings: RecipeSettings, root: Path) -> dict[str, Any]:
     return {"adapters": str(sft(cfg, overwrite=True, every_kind=True))}
 
 
-def _grpo(settings: RecipeSettings, root: Path) -> dict[str, Any]:
+def _grpo(settings: RecipeSettings, root: Path, warm_topology: str) -> dict[str, Any]:
+    """GRPO from the warm start's adapters; a warm start of another topology has one adapter (`_warm_source`),
+    which each of this run's adapters starts from."""
     from rolerl.train.checkpoint import holds_run
     from rolerl.train.rl import train
 
     rl_dir = root / "rl"
-    cfg = recipe_config(settings, f"adapters.init={root / 'sft' / 'adapters'}", f"run.dir={rl_dir}")
+    extra = [f"adapters.init={root / 'sft' / 'adapters'}", f"run.dir={rl_dir}"]
+    if warm_topology != recipe_config(settings).adapters.preset:
+        (one,) = _adapters(root / "sft")
+        extra.append(f"adapters.init_from={json.dumps({'*': one})}")
+    cfg = recipe_config(settings, *extra)
     train(cfg, resume=bool(holds_run(rl_dir)))  # a run cut short goes on from its newest checkpoint
     lines = (rl_dir / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1]) if lines else {}

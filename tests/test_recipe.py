@@ -11,7 +11,6 @@ import pytest
 
 from rolerl.cli import main
 from rolerl.pipeline import Pipeline
-from rolerl.recipe import RECIPES
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the recipes' Python sandbox needs root (CI runs as root)"
@@ -184,7 +183,17 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
     for extra, message in [
         (["--limit", "3"], "its warm start was made with limit=2 (here 3)"),
         (["--steps", "0"], "it needs --steps >= 1"),
-        (["--topology", RECIPES[name].topologies[1]], "topology="),
+        # a warm start of another topology: only from one adapter (gsm8k-tir's shared -> dart, next test)
+        *(
+            [
+                (
+                    ["--topology", "shared"],
+                    "its warm start is --topology isolated, with the adapters ['coder', 'reasoner']",
+                )
+            ]
+            if name == "gsm8k-msarl"
+            else []
+        ),  # fmt: skip
         (["--pass-k", "1"], "--pass-k 1: allowed an integer >= 2"),
         (["--set", "sft.lr=0.001"], "'sft.lr=0.001'"),  # the warm start reads it
     ]:
@@ -192,6 +201,40 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
         assert message in capsys.readouterr().err and not fresh.exists()
     assert main(["recipe", name, "--out", str(fresh), "--warm-from", str(tmp_path), *flags]) == 2
     assert "is not a recipe's directory" in capsys.readouterr().err and not fresh.exists()
+
+
+def test_dart_grpo_starts_from_the_shared_warm_start(recipe, tmp_path, capsys):
+    """--topology dart --warm-from a shared run: its warm start and evaluations copied, GRPO's reason and tool
+    adapters both start from the shared adapter (adapters.init_from), trained and evaluated as DART."""
+    name, out, argv = recipe
+    if name != "gsm8k-tir":
+        pytest.skip("gsm8k-tir's topologies: shared and dart")
+    dart = tmp_path / "dart"
+    assert (
+        main(["recipe", name, "--out", str(dart), "--topology", "dart", "--warm-from", str(out), *argv[4:]])
+        == 0
+    )
+    log = capsys.readouterr().out
+    assert (
+        log.count("done already") == 4
+        and "it is a shared warm start: each dart adapter starts from its one" in log
+    )
+    first, results = (json.loads((d / "results.json").read_text()) for d in (out, dart))
+    assert results["evals"]["warm/gsm8k"] == first["evals"]["warm/gsm8k"]
+    config = (dart / "rl" / "config.yaml").read_text()
+    assert "preset: dart" in config and "init_from:\n    '*': policy" in config
+    assert sorted(p.name for p in (dart / "rl" / "checkpoints" / "step_1" / "adapters").iterdir()) == [
+        "reason",
+        "tool",
+    ]
+    inputs = json.loads((dart / "stages" / "rl.json").read_text())["inputs"]
+    assert inputs["topology"] == "dart" and inputs["warm_topology"] == "shared"
+    assert results["evals"]["rl/gsm8k"]["n"] == 2  # the DART adapters evaluated (their own names)
+    assert (
+        main(["recipe", name, "--out", str(dart), "--topology", "dart", "--warm-from", str(out), *argv[4:]])
+        == 0
+    )
+    assert capsys.readouterr().out.count("done already") == len(STAGES)
 
 
 @pytest.mark.parametrize(

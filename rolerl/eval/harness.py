@@ -318,7 +318,9 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         init = str(found[-1][1] / "adapters") if found else str(run / "adapters")
         if not Path(init).is_dir():
             raise FileNotFoundError(f"--run {run}: no checkpoints/step_N/adapters and no adapters/ directory")
-        adapters = dataclasses.replace(cfg.adapters, init=init)
+        adapters = dataclasses.replace(
+            cfg.adapters, init=init, init_from={}
+        )  # the run's own adapters, by name
         if spec.table is not None:
             adapters = dataclasses.replace(adapters, preset="custom", table=spec.table)
             identity["table"] = spec.table

@@ -181,7 +181,7 @@ def build_policy(cfg: Config, roles: Sequence[str]) -> Policy:
         lean_ops.install(model)  # the MLP keeps half the bytes for backward (Llama families; same forward)
         members[name] = Member(model, tokenizer)
     if cfg.adapters.init:
-        _warm_start(members, cfg.adapters.init)
+        _warm_start(members, cfg.adapters.init, cfg.adapters.init_from)
     route_of = {}
     for role in roles:
         index = {n: i for i, n in enumerate(adapter_specs(members[topology.model(role)].model))}
@@ -205,17 +205,32 @@ def _load(cfg: Config, name: str, device: torch.device) -> tuple[nn.Module, Any]
     return load_model(spec, dtype=dtype, device=str(device))
 
 
-def _warm_start(members: dict[str, Member], init: str) -> None:
+def _warm_start(members: dict[str, Member], init: str, init_from: dict[str, str]) -> None:
+    """Each adapter from `init/<its source>`: `init_from`'s entry for it, else its `*` entry, else its own
+    name. A source `init_from` names must exist; an adapter found under its own name nowhere starts fresh."""
     names = {n: m for m in members.values() for n in adapter_specs(m.model)}
-    found = [n for n in names if (Path(init) / n).is_dir()]
+    unknown = sorted(set(init_from) - set(names) - {"*"})
+    if unknown:
+        raise ValueError(
+            f"adapters.init_from.{unknown[0]}: this run has no such adapter; its adapters are {list(names)} "
+            "(or '*' for every one)"
+        )
+    source = {n: init_from.get(n, init_from.get("*", n)) for n in names}
+    found = [n for n in names if (Path(init) / source[n]).is_dir()]
+    missing = [n for n in names if n not in found and (n in init_from or "*" in init_from)]
+    if missing:
+        key = missing[0] if missing[0] in init_from else "*"
+        raise FileNotFoundError(
+            f"adapters.init_from.{key}={source[missing[0]]!r}: {init!r} has no such adapter directory"
+        )
     if not found:
         raise FileNotFoundError(
             f"adapters.init={init!r} holds none of this run's adapters {list(names)} (as PEFT directories "
-            "named after them, e.g. `rolerl sft` output RUN_DIR/adapters)"
+            "named after them, e.g. `rolerl sft` output RUN_DIR/adapters; adapters.init_from maps other names)"
         )
     for name, member in names.items():
         if name in found:
-            load_adapter(member.model, name, Path(init) / name)
+            load_adapter(member.model, name, Path(init) / source[name])
         else:  # e.g. imitation covered only some roles of an isolated topology
             log.warning("adapters.init has no %r adapter; it starts fresh", name)
 

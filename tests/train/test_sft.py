@@ -196,6 +196,52 @@ def test_rl_starts_from_sft_adapters(tmp_path, caplog):
         build_policy(load_config(None, [*base, f"adapters.init={tmp_path / 'nothing'}"]), ["judge"])
 
 
+def test_dart_starts_both_adapters_from_one_shared_warm_start(tmp_path):
+    """adapters.init_from {"*": policy}: DART's reason and tool adapters are bit-for-bit copies of the shared
+    warm start's one adapter, so the DART policy computes what the shared one does, whatever the routes."""
+    from rolerl.errors import ConfigError
+    from rolerl.run.policy import build_policy
+
+    data = tmp_path / "demos.jsonl"
+    data.write_text(json.dumps(CONVERSATION) + "\n")
+    base = ["model.spec=tiny:llama", "model.device=cpu", "adapters.rank=4", "train.bf16=false"]
+    out = sft(load_config(None, [*base, f"sft.data={data}", "sft.lr=1e-2", f"run.dir={tmp_path}",
+                                 "run.tensorboard=false"]))  # fmt: skip
+    shared = build_policy(load_config(None, [*base, f"adapters.init={out}"]), ["policy"])
+    dart = build_policy(
+        load_config(
+            None, [*base, "adapters.preset=dart", f"adapters.init={out}", "adapters.init_from={'*': policy}"]
+        ),
+        ["policy"],
+    )
+    trained = {
+        n.replace(".policy", ""): p for n, p in shared.model.named_parameters() if n.endswith(".policy")
+    }
+    assert any(bool(torch.any(p != 0)) for n, p in trained.items() if "lora_B" in n)  # the warm start moved
+    for adapter in ("reason", "tool"):
+        copy = {
+            n.replace(f".{adapter}", ""): p
+            for n, p in dart.model.named_parameters()
+            if n.endswith(f".{adapter}")
+        }
+        assert copy.keys() == trained.keys() and all(torch.equal(copy[n], trained[n]) for n in trained)
+    ids = torch.tensor([[5, 9, 2, 7, 3, 8, 1, 4]])
+    mixed = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 0]])  # reasoning and tool-call tokens on their own adapters
+    with torch.no_grad():
+        want = shared.model(ids, routes=torch.zeros_like(ids)).logits
+        for route in (mixed, torch.zeros_like(ids), torch.ones_like(ids)):
+            torch.testing.assert_close(dart.model(ids, routes=route).logits, want)  # fp32's tolerance
+    # a source that is not there, an adapter the run lacks, a mapping without a directory: named
+    with pytest.raises(FileNotFoundError, match=r"adapters.init_from.tool='nothing'"):
+        build_policy(load_config(None, [*base, "adapters.preset=dart", f"adapters.init={out}",
+                                        "adapters.init_from.tool=nothing"]), ["policy"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"adapters.init_from.coder: this run has no such adapter"):
+        build_policy(load_config(None, [*base, f"adapters.init={out}", "adapters.init_from.coder=policy"]),
+                     ["policy"])  # fmt: skip
+    with pytest.raises(ConfigError, match="adapters.init .* is not set"):
+        load_config(None, [*base, "adapters.init_from={'*': policy}"])
+
+
 PASSAGES = "Doc 1(Title: Paris) Paris is the capital and largest city of France."
 
 
