@@ -249,8 +249,7 @@ def _warm_source(settings: RecipeSettings, policy: dict[str, Any], rl: bool) -> 
     was = differences(inputs, here, word="here")
     if was:
         raise ValueError(f"--warm-from {settings.warm_from}: its warm start was made with {was}")
-    held = _adapters(src / "sft")
-    if topology != policy["topology"] and len(held) != 1:
+    if topology != policy["topology"] and len(held := _adapters(src / "sft")) != 1:
         raise ValueError(
             f"--warm-from {settings.warm_from}: its warm start is --topology {topology}, with the adapters "
             f"{held}; a run of another topology (here {policy['topology']}) starts every adapter from a warm "

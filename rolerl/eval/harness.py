@@ -318,9 +318,8 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         init = str(found[-1][1] / "adapters") if found else str(run / "adapters")
         if not Path(init).is_dir():
             raise FileNotFoundError(f"--run {run}: no checkpoints/step_N/adapters and no adapters/ directory")
-        adapters = dataclasses.replace(
-            cfg.adapters, init=init, init_from={}
-        )  # the run's own adapters, by name
+        # the run's own adapters, by their names (its init_from named the warm start's)
+        adapters = dataclasses.replace(cfg.adapters, init=init, init_from={})
         if spec.table is not None:
             adapters = dataclasses.replace(adapters, preset="custom", table=spec.table)
             identity["table"] = spec.table
