@@ -12,6 +12,7 @@ import json
 import logging
 import queue
 import random
+import signal
 import threading
 import time
 import urllib.error
@@ -330,6 +331,9 @@ def serve_retriever(
     if cap is not None and cap < backlog:
         log.warning("the kernel caps the listen backlog at net.core.somaxconn = %d (asked: %d)", cap, backlog)
     pool = f"{workers} worker threads" if workers else "a thread per connection"
+    # SIGTERM (kill, systemd, docker stop) ends it as Ctrl-C does: the socket closed, the call returns
+    on_main = threading.current_thread() is threading.main_thread()  # handlers install only there
+    before = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     log.warning("serving retrieval at %s with %s, backlog %d (Ctrl-C stops)", server.url, pool, backlog)
     try:
         server.serve_forever()
@@ -337,3 +341,9 @@ def serve_retriever(
         pass
     finally:
         server.server_close()
+        if on_main:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)

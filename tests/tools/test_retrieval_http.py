@@ -9,12 +9,14 @@ import http.client
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -294,12 +296,19 @@ def test_client_options_are_validated():
 # ---- `rolerl serve-retriever` as a process ---------------------------------------------------------------
 
 
-def test_serve_retriever_command(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_retriever_command(tmp_path, stop):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(
         "".join(json.dumps({"id": i, "title": t, "text": x}) + "\n" for i, (t, x) in CORPUS.items())
     )
-    cmd = [sys.executable, "-m", "rolerl", "serve-retriever", str(corpus), "--port", "0", "--workers", "2",
+    # `rolerl` with Ctrl-C's SIGINT handled as in a terminal: a suite run as a background job (`make test &`)
+    # passes its children SIGINT ignored, and the command rightly keeps that (as under nohup)
+    rolerl = (
+        "import signal, sys; signal.signal(2, signal.default_int_handler); from rolerl.cli import main; "
+        "sys.exit(main())"
+    )
+    cmd = [sys.executable, "-c", rolerl, "serve-retriever", str(corpus), "--port", "0", "--workers", "2",
            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
@@ -320,8 +329,10 @@ def test_serve_retriever_command(tmp_path):
             assert json.loads(resp.read()) == {
                 "result": [[{"id": "p1", "contents": "Rome\nRome has the Colosseum."}]]
             }
-        proc.send_signal(2)  # SIGINT, as Ctrl-C: the server closes and the command returns 0
+        proc.send_signal(stop)  # Ctrl-C or a kill: the server closes and the command returns 0
         assert proc.wait(30) == 0
+        with pytest.raises(urllib.error.URLError):  # the port is closed
+            urllib.request.urlopen(req, timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
