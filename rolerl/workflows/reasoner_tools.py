@@ -17,7 +17,9 @@ truth" read as "the episode is solved": 1.0 if it ran and the episode is solved,
 episode is not, 0.0 if it failed or wrote no code; without, the coder gets the outcome. The reasoner's
 reward is the outcome (the task's reward on its last text). As in MSARL v4, a request's samples are a
 sibling group (`Turn.group`, with `sibling_groups` and `coder_samples` > 1): their advantages compare them
-with each other, while the reasoner's group is `algorithm.group_key`'s, over the task's episodes.
+with each other, while the reasoner's group is `algorithm.group_key`'s, over the task's episodes. Greedy
+decoding (`temperature` 0: a greedy `rolerl eval`) would write one program `coder_samples` times over, so
+a request then gets one coder call, which stands for them all (same result, same rewards).
 
 Role metrics (`Context.measure`, `workflow/reasoner_tools/<metric>`; docs/WORKFLOWS.md):
 - `coder_ran`: per coder call, its code ran (a tool call whose last call did not fail);
@@ -171,11 +173,12 @@ class ReasonerTools:
             {"role": "system", "content": CODER_SYSTEM},
             {"role": "user", "content": f"Problem: {example.question}\n\nRequest: {request}"},
         ]
-        samples = await asyncio.gather(*[ctx.generate("coder", prompt) for _ in range(self.coder_samples)])
+        n = 1 if ctx.sampling.temperature == 0 else self.coder_samples  # greedy siblings are one program
+        samples = await asyncio.gather(*[ctx.generate("coder", prompt) for _ in range(n)])
         ran = [bool(t.tool_calls) and not t.tool_calls[-1].error for t in samples]
-        request_index = len(coders) // self.coder_samples
+        request_index = len(coders) // n
         for t, ok in zip(samples, ran, strict=True):
-            if self.sibling_groups:
+            if self.sibling_groups and n > 1:
                 t.group = f"request{request_index}"
             coders.append((t, ok))
             if not t.tool_calls:

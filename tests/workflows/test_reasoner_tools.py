@@ -56,7 +56,7 @@ class ToolScripted(ScriptedBackend):
         return turn
 
 
-def run(reasoner, coder=CODE, tokenizer=None, seed: int = 0, **options):
+def run(reasoner, coder=CODE, tokenizer=None, seed: int = 0, temperature: float = 1.0, **options):
     """One episode: `reasoner(prompt)` and `coder(k)` (k = the coder call's index in the episode) script the
     two roles."""
     seeds = {derive_seed(seed, k): k for k in range(64)}
@@ -69,7 +69,7 @@ def run(reasoner, coder=CODE, tokenizer=None, seed: int = 0, **options):
         return coder(len(coders) - 1) if callable(coder) else coder
 
     backend = ToolScripted(tokenizer, reply)
-    ctx = Context(backend, tokenizer, ROUTES, SamplingParams(), seed, tool="python")
+    ctx = Context(backend, tokenizer, ROUTES, SamplingParams(temperature=temperature), seed, tool="python")
     episode = asyncio.run(ReasonerTools(TASK, **options).run(ctx, EXAMPLE))
     return episode, backend, ctx
 
@@ -170,6 +170,21 @@ def test_nested_coder_samples_are_parallel_siblings_with_role_rewards(tokenizer)
     assert got[[0, 4, 5, 9]].tolist() == pytest.approx([a, a, -a, -a])
     one, _, _ = run(asks_then(), lambda k: samples[k], tokenizer=tokenizer, coder_samples=1)
     assert all(t.group is None for t in one.turns), "one sample per request: no sibling group (no signal)"
+
+
+def test_greedy_decoding_calls_the_coder_once_a_request(tokenizer):
+    """At temperature 0 the siblings would be one program written coder_samples times: one call stands for
+    them, with the rewards and metadata one such sibling gets (a greedy evaluation costs 1/coder_samples)."""
+    ask_twice = lambda p: "<answer>782</answer>" if p.count("user\nResult:") == 2 else ASK  # noqa: E731
+    episode, backend, _ = run(ask_twice, tokenizer=tokenizer, temperature=0.0, coder_samples=4)
+    assert [t.role for t in episode.turns] == ["reasoner", "coder", "reasoner", "coder", "reasoner"]
+    assert [c.role for c in backend.calls].count("coder") == 2 and backend.max_in_flight("coder") == 1
+    assert all(t.group is None for t in episode.turns), "a greedy request has no siblings to compare"
+    assert [t.reward for t in episode.turns] == [None, 0.2, None, 0.2, None] and episode.reward == 0.0
+    assert episode.metadata["code_ran"] == 2 and episode.metadata["requests"] == 2
+    sampled, backend, _ = run(ask_twice, tokenizer=tokenizer, temperature=1.0, coder_samples=4)
+    assert [c.role for c in backend.calls].count("coder") == 8 and backend.max_in_flight("coder") == 4
+    assert {t.group for t in sampled.turns if t.role == "coder"} == {"request0", "request1"}
 
 
 def test_malformed_cases(tokenizer):
