@@ -480,8 +480,15 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _configure_sft(p: argparse.ArgumentParser) -> None:
-    _add_config_args(p, resume=False)
+    _add_config_args(p, resume=True)
     p.add_argument("--data", default=None, help="demonstrations JSONL (overrides sft.data)")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its newest checkpoint (every run.checkpoint_every steps, and where Ctrl-C "
+        "or SIGTERM stopped it), on the same data and settings",
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="replace the adapters and metrics already in run.dir"
     )
@@ -490,17 +497,23 @@ def _configure_sft(p: argparse.ArgumentParser) -> None:
 def _run_sft(args: argparse.Namespace) -> int:
     """Imitation warm-start of the adapters on role-labelled demonstrations (JSONL of chat messages, or the
     token rows `rolerl collect` writes);
-    writes run.dir/adapters/<name> as PEFT directories, to start RL from with adapters.init."""
+    writes run.dir/adapters/<name> as PEFT directories, to start RL from with adapters.init. Ctrl-C
+    checkpoints the last completed step and says how to continue (--resume)."""
+    from pathlib import Path
+
     from rolerl.config import load_config
     from rolerl.train.sft import sft
 
     config, overrides = _config_and_overrides(args)
-    if config is None:
-        raise ValueError("give a CONFIG (a YAML file or an example's name, e.g. smoke)")
-    cfg = load_config(config, [*overrides, *([f"sft.data={args.data}"] if args.data else [])])
+    path = config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
+    if path is None:
+        raise ValueError("give a CONFIG (a YAML file or an example's name, e.g. smoke) or --resume RUN_DIR")
+    overrides = [*overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
+    cfg = load_config(path, [*overrides, *([f"sft.data={args.data}"] if args.data else [])])
     if not cfg.sft.data:
         raise ValueError("sft.data is empty: pass --data FILE.jsonl or --set sft.data=FILE.jsonl")
-    print(json.dumps({"adapters": str(sft(cfg, overwrite=args.overwrite))}))
+    adapters = sft(cfg, overwrite=args.overwrite, resume=args.resume is not None)
+    print(json.dumps({"adapters": str(adapters)}))
     return 0
 
 

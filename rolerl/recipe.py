@@ -14,7 +14,7 @@ the recipe's example config (rolerl/configs/<name>.yaml) with the flags on top:
 
 Everything goes under one directory (`--out`, default runs/<name>). Each finished stage leaves a marker
 (`rolerl.pipeline`), so a rerun of the same command skips what is done and goes on where it stopped: an
-evaluation continues its samples.jsonl, GRPO its newest checkpoint. The test subset (`--limit N`: the
+evaluation continues its samples.jsonl, GRPO and the imitation their newest checkpoint. The test subset (`--limit N`: the
 first N of a fixed shuffle of the 1319 problems) does not depend on `--seed`, so every seed and arm is
 measured on the same problems. `--warm-from DIR` copies another run's finished warm start (stages 1-4) so
 that only GRPO, with this run's seed, and its evaluation run; `--pass-k N` adds a stage that samples the final
@@ -190,7 +190,7 @@ def run_recipe(settings: RecipeSettings, log: Log = print) -> dict[str, Any]:
     evals["base"] = pipe.run("eval-base", f"the base model on {n_test} test problems (greedy pass@1)",
                              lambda: _eval_base(settings, root, log), warm | test)  # fmt: skip
     pipe.run("sft", f"imitation warm start on {made.get('rows', '?')} demonstrations x {cfg.sft.epochs} epochs",
-             lambda: _imitate(settings, root), warm)  # fmt: skip
+             lambda: _imitate(settings, root, log), warm)  # fmt: skip
     evals["warm"] = pipe.run("eval-warm", f"the warm start on {n_test} test problems",
                              lambda: _eval(settings, root, "warm", root / "sft", log), warm | test)  # fmt: skip
     if rl:
@@ -377,12 +377,21 @@ def _eval(
             **{k: v for k, v in m.items() if k.startswith(("pass@", "maj@")) and n > 1}}  # fmt: skip
 
 
-def _imitate(settings: RecipeSettings, root: Path) -> dict[str, Any]:
-    from rolerl.train.sft import sft
+def _imitate(settings: RecipeSettings, root: Path, log: Log) -> dict[str, Any]:
+    from rolerl.train.checkpoint import holds_run
+    from rolerl.train.sft import ResumeMismatch, sft
 
     cfg = recipe_config(settings, f"sft.data={root / 'demos.jsonl'}", f"run.dir={root / 'sft'}")
-    # overwrite: a warm start cut short (no marker) starts again; every policy kind, as the demo's warm start
-    return {"adapters": str(sft(cfg, overwrite=True, every_kind=True))}
+    # a warm start cut short (no marker) goes on from its newest checkpoint, unless that was trained on other
+    # inputs (another command into this directory): then it starts again; every policy kind is trained
+    try:
+        adapters = sft(cfg, resume=bool(holds_run(root / "sft")), every_kind=True)
+    except ResumeMismatch as e:
+        log(
+            f"the imitation cut short in {root / 'sft'} was trained on other inputs ({e.differ}): it starts again"
+        )
+        adapters = sft(cfg, overwrite=True, every_kind=True)
+    return {"adapters": str(adapters)}
 
 
 def _grpo(settings: RecipeSettings, root: Path, warm_topology: str) -> dict[str, Any]:

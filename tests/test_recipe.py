@@ -292,3 +292,45 @@ def test_pipeline_markers_skip_finished_stages_and_refuse_changed_inputs(tmp_pat
     plain.run("a", "first", stage("a"))
     plain.run("a", "first", stage("a"))
     assert calls[-2:] == ["a", "a"] and set(plain.seconds) == {"a"}
+
+
+def test_an_imitation_cut_short_goes_on_from_its_checkpoint(tmp_path, monkeypatch, caplog):
+    """The sft stage of a rerun resumes the imitation a Ctrl-C stopped (its marker missing, a checkpoint of
+    each step here); one cut short under other inputs (another command into the directory) starts again."""
+    import dataclasses
+
+    import rolerl.train.sft as sft_module
+    from rolerl.recipe import RecipeSettings, _imitate
+    from rolerl.train.checkpoint import RunDir, TrainingInterrupted
+    from tests.train.test_sft import _demos
+
+    root = tmp_path / "run"
+    root.mkdir()
+    _demos(root / "demos.jsonl", 5)
+    sets = ("model.device=cpu", "run.tensorboard=false", "sft.batch_size=2", "run.checkpoint_every=1",
+            "train.micro_batch_size=1")  # fmt: skip
+    settings = RecipeSettings("gsm8k-tir", out=str(root), model="tiny:llama", overrides=sets, progress=False)
+    real, calls = sft_module._imitation_step, []
+
+    def interrupted_in_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sft_module, "_imitation_step", interrupted_in_step_3)
+    with pytest.raises(TrainingInterrupted, match=r"interrupted at step 3 \(step 2 is checkpointed\)"):
+        _imitate(settings, root, print)
+    monkeypatch.setattr(sft_module, "_imitation_step", real)
+    said: list[str] = []
+    caplog.set_level("INFO")
+    assert _imitate(settings, root, said.append) == {"adapters": str(root / "sft" / "adapters")}
+    assert f"resume {root / 'sft'}: from step 2" in caplog.text and not said
+    assert [r["step"] for r in RunDir(root / "sft", tensorboard=False).read_metrics()] == [1, 2, 3]
+    other = dataclasses.replace(settings, overrides=(*sets, "sft.lr=1e-3"))
+    _imitate(other, root, said.append)
+    assert said == [
+        f"the imitation cut short in {root / 'sft'} was trained on other inputs (sft.lr: 0.0002 -> 0.001): it "
+        "starts again"
+    ]
+    assert [r["step"] for r in RunDir(root / "sft", tensorboard=False).read_metrics()] == [1, 2, 3]

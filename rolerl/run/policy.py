@@ -110,6 +110,10 @@ class Policy:
         """Every adapter of every model (names are unique across models)."""
         return [n for m in self.members.values() for n in adapter_specs(m.model)]
 
+    def adapter_models(self) -> dict[str, nn.Module]:
+        """Adapter name -> the model that holds it (what checkpoints save and load)."""
+        return {n: m.model for m in self.members.values() for n in adapter_specs(m.model)}
+
     def trainable(self) -> list[nn.Parameter]:
         """The trainable adapters' parameters, in group order; an error when there are none (preset `none`,
         or every adapter frozen: evaluation and references only)."""

@@ -68,10 +68,12 @@ class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during a run, after the last completed step was checkpointed. A KeyboardInterrupt, so code
     that catches `Exception` still lets it through; `str()` is the one line to show the user."""
 
-    def __init__(self, step: int, saved: int, run_dir: str | Path, why: str = "interrupted") -> None:
+    def __init__(
+        self, step: int, saved: int, run_dir: str | Path, why: str = "interrupted", command: str = "train"
+    ) -> None:
         self.step, self.saved, self.run_dir = step, saved, Path(run_dir)
         kept = f"step {saved} is checkpointed" if saved else "no step had completed"
-        super().__init__(f"{why} at step {step} ({kept}); continue with rolerl train --resume {run_dir}")
+        super().__init__(f"{why} at step {step} ({kept}); continue with rolerl {command} --resume {run_dir}")
 
 
 def holds_run(run_dir: str | Path) -> list[str]:
@@ -85,7 +87,7 @@ def prepare_run_dir(run_dir: str | Path, command: str, *, overwrite: bool) -> No
     """Refuse a directory that holds a run (never mix two runs' metrics), or clear it with `overwrite`."""
     found = holds_run(run_dir)
     if found and not overwrite:
-        resume = f"continue it with --resume {run_dir}, " if command == "train" else ""
+        resume = f"continue it with --resume {run_dir}, " if command in ("train", "sft") else ""
         raise ValueError(
             f"run.dir={str(run_dir)!r} already holds a run; {resume}choose another run.dir, or replace it "
             f"with `rolerl {command} --overwrite` (overwrite=True); it has {', '.join(found)}"

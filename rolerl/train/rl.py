@@ -28,7 +28,6 @@ from rolerl.config import Config, ConfigError, load_config
 from rolerl.eval.harness import held_out
 from rolerl.hardware import bf16_choice
 from rolerl.heap import keep_freed_memory
-from rolerl.models.lora import adapter_specs
 from rolerl.progress import ProgressBar
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
@@ -268,11 +267,6 @@ def _set_lr(optimizer: Optimizer, cfg: Config, step: int) -> float:
     return _lr(cfg, step)
 
 
-def _adapters(policy: Policy) -> dict[str, torch.nn.Module]:
-    """Adapter name -> the model that holds it (what checkpoints save and load)."""
-    return {name: member.model for member in policy.members.values() for name in adapter_specs(member.model)}
-
-
 def _checkpoint(
     cfg: Config,
     policy: Policy,
@@ -288,7 +282,7 @@ def _checkpoint(
         extra = {"train_steps": cfg.train.steps, "lr": done.lr}  # what `_restore` says when a run is extended
         rollout = pipeline.state(done.step) if pipeline is not None else None
         save_checkpoint(
-            cfg.run.dir, done.step, _adapters(policy), optimizer,
+            cfg.run.dir, done.step, policy.adapter_models(), optimizer,
             keep_last=cfg.run.keep_last, extra=extra, rng=done.rng, rollout=rollout,
         )  # fmt: skip
         done.saved = done.step
@@ -328,7 +322,7 @@ def _restore(
     if dist.main:
         clean_partial(cfg.run.dir)
     dist.barrier()
-    state = load_newest(cfg.run.dir, _adapters(policy), optimizer)
+    state = load_newest(cfg.run.dir, policy.adapter_models(), optimizer)
     if state is None:
         if not holds_run(cfg.run.dir) and not (Path(cfg.run.dir) / "config.yaml").exists():
             raise FileNotFoundError(

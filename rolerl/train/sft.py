@@ -11,11 +11,19 @@ engine's own tokenisation of forced text), so SFT trains on exactly the token se
 (DESIGN). The prompt of a call is the chat template of the messages before it. Routes come from `shift`
 with the topology, so SFT updates exactly the adapter each token would train in RL; the loss
 (token-mean negative log-likelihood) is on policy kinds only, never on prompt or tool output.
+
+A run checkpoints every `run.checkpoint_every` steps (`checkpoints/step_N`, as RL's: adapters, optimizer
+and RNG state, atomic), and Ctrl-C or SIGTERM checkpoints the last completed step. `resume` goes on from
+the newest one: the shuffle is a function of `run.seed`, so the resumed run takes the very batches the
+uninterrupted one would have, and ends with the same adapters. A checkpoint records what it was trained on
+(the data file's hash, the turn count, the `sft` settings, the seed, the adapters), and a resume with
+anything else is refused with what differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -45,7 +53,17 @@ from rolerl.roles import (
     split_segments,
 )
 from rolerl.run.policy import Policy, build_policy
-from rolerl.train.checkpoint import RunDir, prepare_run_dir
+from rolerl.train.checkpoint import (
+    Completed,
+    RunDir,
+    StepUndo,
+    TrainingInterrupted,
+    clean_partial,
+    load_newest,
+    prepare_run_dir,
+    save_checkpoint,
+)
+from rolerl.train.distributed import Terminated, sigterm_raises, stopping
 from rolerl.train.optim import lr_factor, policy_optimizer
 from rolerl.train.policy import autocast, select_rows, token_logprobs
 from rolerl.types import TrainBatch, Turn, collate
@@ -209,6 +227,7 @@ def sft(
     policy: Policy | None = None,
     overwrite: bool = False,
     every_kind: bool = False,
+    resume: bool = False,
 ) -> Path:
     """Train the adapters on `cfg.sft.data`; write them to `cfg.run.dir/adapters/<name>` (PEFT dirs).
 
@@ -216,9 +235,13 @@ def sft(
     it); by default the model and adapters `cfg` names are built for `roles` (default: the data's roles).
     A `run.dir` that already holds a run is refused (its metrics would mix) unless `overwrite`. The loss
     covers the kinds `adapters.train_kinds` names, as in RL, unless `every_kind` (`rolerl demo`'s warm start
-    teaches the whole tool format, then RL trains only the chosen kinds)."""
+    teaches the whole tool format, then RL trains only the chosen kinds). `resume` continues the run in
+    `cfg.run.dir` from its newest checkpoint (module doc); one stopped before its first starts again."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: continue the run, or replace it")
     data = read_demonstrations(cfg.sft.data)
-    prepare_run_dir(cfg.run.dir, "sft", overwrite=overwrite)
+    if not resume:
+        prepare_run_dir(cfg.run.dir, "sft", overwrite=overwrite)
     if policy is None:
         roles = list(roles) if roles else sorted({row["role"] for row in data})
         policy = build_policy(cfg, roles)
@@ -243,22 +266,39 @@ def sft(
     parts = _parts(policy, turns, roles, loss_kinds)
     steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
     optimizer = policy_optimizer(policy, cfg.optim, lr=cfg.sft.lr)
+    trained_on = _trained_on(cfg, turns, policy)
+    start = _restore(cfg, policy, optimizer, trained_on) if resume else 0
     if cfg.train.heap == "keep":
         keep_freed_memory()  # every step reuses the pages of the one before (rolerl.heap)
     run = RunDir(
-        cfg.run.dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb, wandb_entity=cfg.run.wandb_entity
-    )
+        cfg.run.dir, tensorboard=cfg.run.tensorboard, resume_step=start if resume else None,
+        wandb=cfg.run.wandb, wandb_entity=cfg.run.wandb_entity,
+    )  # fmt: skip
     run.write_config(cfg)
     generator = torch.Generator().manual_seed(cfg.run.seed)
     step = 0
     for member in policy.members.values():
         member.model.eval()  # no dropout (as in rollouts); train mode also runs p=0 dropout kernels (slow)
+    done, undo = Completed(start, saved=start), StepUndo(policy.trainable(), optimizer)
+
+    def checkpoint() -> None:
+        save_checkpoint(cfg.run.dir, done.step, policy.adapter_models(), optimizer,
+                        keep_last=cfg.run.keep_last, extra={"sft": trained_on}, rng=done.rng)  # fmt: skip
+        done.saved = done.step
+
     try:
-        with ProgressBar("imitation", steps, enabled=cfg.run.progress) as bar:
+        with (
+            sigterm_raises(),
+            ProgressBar("imitation", steps, completed=start, enabled=cfg.run.progress) as bar,
+        ):
             for epoch in range(cfg.sft.epochs):
                 for rows in torch.randperm(len(turns), generator=generator).split(cfg.sft.batch_size):
+                    if step < start:  # resumed: the same shuffle, so this batch is the one already trained
+                        step += 1
+                        continue
                     t0 = time.perf_counter()
                     lr = optimizer.set_lr(lr_factor(step, steps, cfg.optim))
+                    undo.arm()
                     optimizer.zero_grad()
                     loss, tokens = _imitation_step(parts, rows, cfg, policy.bf16)
                     norms = optimizer.clip()
@@ -267,14 +307,60 @@ def sft(
                     run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": norms["global"],
                              "lr": next(iter(lr.values())), "tokens": tokens,
                              "time/step": time.perf_counter() - t0})  # fmt: skip
+                    done.complete(step, next(iter(lr.values())))
+                    undo.disarm()
+                    if step % cfg.run.checkpoint_every == 0 and step < steps:
+                        checkpoint()
                     bar.update(step, f"loss {loss:.4f}")
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`): keep the last completed step
+        stopping()
+        if done.step > done.saved:
+            undo.undo()  # a step cut short in its optimizer update is put back
+            checkpoint()
+        why = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        raise TrainingInterrupted(done.step + 1, done.saved, cfg.run.dir, why, command="sft") from e
     finally:
+        undo.close()
         run.close()
     out = Path(cfg.run.dir) / "adapters"
     for member in policy.members.values():
         for name in adapter_specs(member.model):
             save_adapter(member.model, name, out / name)
     return out
+
+
+class ResumeMismatch(ValueError):
+    """A resume whose checkpoint was trained on other data or settings: `differ` says which, old -> new."""
+
+    def __init__(self, run_dir: str, step: int, differ: str) -> None:
+        self.differ = differ
+        super().__init__(
+            f"resume {run_dir}: its checkpoint step_{step} was trained on other inputs ({differ}); resume with "
+            "the run's own, or start again with --overwrite"
+        )
+
+
+def _trained_on(cfg: Config, turns: Sequence[Turn], policy: Policy) -> dict[str, Any]:
+    """What a checkpoint's steps were trained on: a resume must match it (module doc)."""
+    digest = hashlib.sha256(Path(cfg.sft.data).read_bytes()).hexdigest()[:16]
+    return {"data": digest, "turns": len(turns), "seed": cfg.run.seed, "adapters": sorted(policy.adapter_names),
+            **{f"sft.{k}": v for k, v in dataclasses.asdict(cfg.sft).items() if k != "data"}}  # fmt: skip
+
+
+def _restore(cfg: Config, policy: Policy, optimizer: Any, trained_on: dict[str, Any]) -> int:
+    """Load the newest readable checkpoint of `cfg.run.dir` after checking what it was trained on; returns its
+    step (0: none yet, the run starts again)."""
+    clean_partial(cfg.run.dir)
+    state = load_newest(cfg.run.dir, policy.adapter_models(), optimizer)
+    if state is None:
+        log.warning("resume %s: no checkpoint yet; imitation starts again from step 0", cfg.run.dir)
+        return 0
+    saved = state.get("extra", {}).get("sft", {})
+    differ = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in trained_on.items() if saved.get(k) != v]
+    if differ:
+        raise ResumeMismatch(cfg.run.dir, state["step"], "; ".join(differ))
+    log.info("resume %s: from step %d", cfg.run.dir, state["step"])
+    return int(state["step"])
 
 
 def call_tags(cfg: Config, roles: Sequence[str]) -> dict[str, Tags]:

@@ -155,11 +155,107 @@ def test_sft_run_writes_peft_adapters_that_moved(tmp_path):
     b = [p for n, p in model.named_parameters() if n.endswith("lora_B.tool")]
     assert any(bool(torch.any(x != 0)) for x in b)  # B started at zero
     # A second sft into the same directory would overwrite the adapters and duplicate metrics steps
-    with pytest.raises(ValueError, match=r"already holds a run; choose another run.dir, or replace it with"):
+    with pytest.raises(
+        ValueError, match=r"already holds a run; continue it with --resume .*, choose another run.dir, or"
+    ):
         sft(cfg)
     assert [r["step"] for r in RunDir(tmp_path / "sft", tensorboard=False).read_metrics()] == [1, 2, 3, 4]
     sft(dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, epochs=1)), overwrite=True)
     assert [r["step"] for r in RunDir(tmp_path / "sft", tensorboard=False).read_metrics()] == [1, 2]
+
+
+def _demos(path, n: int) -> None:
+    """`n` different demonstrations (so that each batch of a shuffle differs)."""
+    rows = []
+    for i in range(n):
+        text = ANSWER_TEXT.replace("6*7", f"6*{i}").replace("42", str(6 * i))
+        user = {"role": "user", "content": f"What is 6 * {i}?"}
+        rows.append(
+            dict(
+                CONVERSATION,
+                messages=[CONVERSATION["messages"][0], user, {"role": "assistant", "content": text}],
+            )
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _sft_cfg(data, run_dir, *extra):
+    return load_config(None, ["model.spec=tiny:llama", "model.device=cpu", "adapters.preset=dart",
+                              "adapters.rank=4", f"sft.data={data}", "sft.epochs=2", "sft.batch_size=2",
+                              "sft.lr=1e-2", "train.micro_batch_size=1", "run.checkpoint_every=2",
+                              "run.keep_last=3", f"run.dir={run_dir}", "run.tensorboard=false", *extra])  # fmt: skip
+
+
+def test_sft_resumes_where_sigterm_stopped_it_and_ends_as_the_uninterrupted_run(
+    tmp_path, monkeypatch, capsys
+):
+    """Checkpoints every run.checkpoint_every steps, the last completed step on SIGTERM; `rolerl sft --resume`
+    takes the very batches the uninterrupted run took (the shuffle is the seed's): the same losses, bit for bit
+    the same adapters (the same ops in the same order on one machine)."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    import rolerl.train.sft as sft_module
+    from rolerl.cli import main
+    from rolerl.run.layout import checkpoints
+    from rolerl.train.checkpoint import TrainingInterrupted
+
+    before = signal.getsignal(signal.SIGTERM)
+    data = tmp_path / "demos.jsonl"
+    _demos(data, 5)  # 3 steps an epoch (2, 2, 1), 6 in all
+    whole = sft(_sft_cfg(data, tmp_path / "whole"))
+    assert [s for s, _ in checkpoints(tmp_path / "whole")] == [2, 4], "every 2 steps; the end writes adapters"
+
+    real, calls = sft_module._imitation_step, []
+
+    def stopped_in_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            signal.raise_signal(signal.SIGTERM)  # as a scheduler preempting the job
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sft_module, "_imitation_step", stopped_in_step_4)
+    cut = tmp_path / "cut"
+    with pytest.raises(TrainingInterrupted) as info:
+        sft(_sft_cfg(data, cut))
+    assert str(info.value) == (
+        f"stopped by SIGTERM at step 4 (step 3 is checkpointed); continue with rolerl sft --resume {cut}"
+    )
+    assert [s for s, _ in checkpoints(cut)] == [2, 3] and not (cut / "adapters").exists()
+    assert signal.getsignal(signal.SIGTERM) == before, "SIGTERM's handler is put back"
+    monkeypatch.setattr(sft_module, "_imitation_step", real)
+
+    assert main(["sft", "--resume", str(cut)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"adapters": str(cut / "adapters")}
+    a, b = (RunDir(d, tensorboard=False).read_metrics() for d in (tmp_path / "whole", cut))
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6], "step 4's cut-short row is not kept; each step once"
+    assert [r["loss/sft"] for r in b] == [r["loss/sft"] for r in a]
+    for name in ("reason", "tool"):
+        x, y = (load_file(str(d / name / "adapter_model.safetensors")) for d in (whole, cut / "adapters"))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+
+
+def test_sft_resume_refuses_other_inputs_and_starts_a_run_without_checkpoints(tmp_path, caplog):
+    from rolerl.train.sft import ResumeMismatch
+
+    data = tmp_path / "demos.jsonl"
+    _demos(data, 5)
+    run = tmp_path / "run"
+    sft(_sft_cfg(data, run))
+    with pytest.raises(
+        ResumeMismatch, match=r"step_4 was trained on other inputs \(sft\.lr: 0\.01 -> 0\.02\)"
+    ):
+        sft(_sft_cfg(data, run, "sft.lr=2e-2"), resume=True)
+    _demos(data, 4)
+    with pytest.raises(ResumeMismatch, match=r"data: '[0-9a-f]{16}' -> '[0-9a-f]{16}'; turns: 5 -> 4"):
+        sft(_sft_cfg(data, run), resume=True)
+    with pytest.raises(ValueError, match="resume and overwrite exclude each other"):
+        sft(_sft_cfg(data, run), resume=True, overwrite=True)
+    fresh = tmp_path / "fresh"
+    sft(_sft_cfg(data, fresh, "run.checkpoint_every=100"), resume=True)
+    assert "no checkpoint yet; imitation starts again from step 0" in caplog.text
+    assert [r["step"] for r in RunDir(fresh, tensorboard=False).read_metrics()] == [1, 2, 3, 4]
 
 
 def test_cli_sft(tmp_path, capsys):
