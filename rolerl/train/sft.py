@@ -389,6 +389,13 @@ def _parts(
     return out
 
 
+def _grouped(batch: TrainBatch, rows: list[int]) -> list[int]:
+    """A step's rows by role, then length: each micro-batch pads to rows of like length and runs its role's
+    shared prompt start once (`share_prefix`). The step's gradient is the sum over its rows in any order."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    return sorted(rows, key=lambda i: (batch.roles[i], lengths[i]))
+
+
 def _imitation_step(parts, rows: torch.Tensor, cfg: Config, bf16: bool) -> tuple[float, float]:
     """Accumulate one optimizer step's gradients over `rows` (global turn indices, any models); returns the
     loss and its token count (the normaliser is counted over every model's rows of the step)."""
@@ -397,7 +404,7 @@ def _imitation_step(parts, rows: torch.Tensor, cfg: Config, bf16: bool) -> tuple
         where = {r: i for i, r in enumerate(mine)}
         local = [where[r] for r in rows.tolist() if r in where]
         if local:
-            chosen.append((model, select_rows(batch, local)))
+            chosen.append((model, select_rows(batch, _grouped(batch, local))))
     norm = AggNorm.of(*[b.loss_mask for _, b in chosen])
     loss = 0.0
     for model, batch in chosen:

@@ -86,6 +86,49 @@ def test_sft_loss_is_nll_on_policy_kinds_only(tokenizer):
     assert names == {"reason", "tool"}  # both adapters learn, the base does not
 
 
+def test_an_imitation_step_groups_its_rows_by_role_and_length_and_keeps_the_gradient(monkeypatch):
+    """Micro-batches of one role and like lengths (less padding, the role's prompt start shared): the step's
+    gradient equals one micro-batch of every row (fp32: float sums in another order)."""
+    import rolerl.train.sft as sft_module
+    from rolerl.run.policy import build_policy
+
+    cfg = load_config(None, ["model.spec=tiny:llama", "model.device=cpu", "adapters.preset=isolated",
+                             "adapters.rank=4", "train.micro_batch_size=2", "train.bf16=false"])  # fmt: skip
+    policy = build_policy(cfg, ["asker", "coder"])
+    for p in policy.trainable():  # B = 0 at the start: make both factors move the loss
+        torch.nn.init.normal_(p, std=0.05)
+    conversations = []
+    for i, role in enumerate(["asker", "coder"] * 3):
+        text = ANSWER_TEXT if i % 3 else "<answer>42</answer>"
+        user = {"role": "user", "content": "What is 6 * 7?" + " Think." * i}
+        conversations.append({"role": role, "messages": [user, {"role": "assistant", "content": text}]})
+    tok = policy.tokenizer_of("asker")
+    turns = [t for c in conversations for t in demonstration_turns(tok, c, policy.route_of)]
+    parts = sft_module._parts(policy, turns, ["asker", "coder"], None)
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])
+    seen = []
+    real_loss = sft_module.sft_loss
+    monkeypatch.setattr(sft_module, "sft_loss", lambda m, b, *a: seen.append(b) or real_loss(m, b, *a))
+
+    def grads(micro: int) -> list[torch.Tensor]:
+        for p in policy.trainable():
+            p.grad = None
+        sft_module._imitation_step(parts, rows, dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, micro_batch_size=micro)), bf16=False)  # fmt: skip
+        return [p.grad.clone() for p in policy.trainable()]
+
+    grouped = grads(2)
+    assert [b.roles for b in seen] == [["asker"] * 2, ["asker", "coder"], ["coder"] * 2]
+    lengths = [int(n) for b in seen for n in b.attention_mask.sum(-1)]
+    assert lengths[:3] == sorted(lengths[:3]) and lengths[3:] == sorted(lengths[3:]), "by length in a role"
+    seen.clear()
+    whole = grads(6)
+    assert len(seen) == 1
+    for g, w in zip(grouped, whole, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    assert any(bool(torch.any(g != 0)) for g in grouped)
+
+
 def test_read_demonstrations_errors(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(
