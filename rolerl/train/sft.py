@@ -8,7 +8,9 @@ tool tags, tool output in the engine's format (`format_tool_output`), the answer
 workflow's role calls with (`call_tags`: the search agent's `<search>`/`<information>`, `roles.<r>.tags`
 over them). It is cut with `split_segments` and tokenised segment by segment with `splice_tokenize` (the
 engine's own tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce
-(DESIGN). The prompt of a call is the chat template of the messages before it. Routes come from `shift`
+(DESIGN). The prompt of a call is the chat template of the messages before it; a call that continues the
+one before it (a reasoner after a tool result) joins that call's row where the routes allow (`chained`:
+the same loss and gradient, the conversation's prompt run once). Routes come from `shift`
 with the topology, so SFT updates exactly the adapter each token would train in RL; the loss
 (token-mean negative log-likelihood) is on policy kinds only, never on prompt or tool output.
 
@@ -168,6 +170,32 @@ def demonstration_turns(
     return turns
 
 
+def chained(turns: Sequence[Turn], route_of: Mapping[str, Mapping[str, int]]) -> list[Turn]:
+    """A conversation's calls as one row wherever a call's prompt is the call before it, prompt and
+    completion, then the new messages (a reasoner continuing after a result, as `follow_up_ids` builds it),
+    and every shared position has the same route: the row's logits at each call's tokens are those of the
+    call's own row (causal attention), so its loss and gradient are the calls' together, while the
+    conversation's prompt runs once instead of once a call. The new messages carry no loss (`PROMPT`)."""
+    out: list[Turn] = []
+    for turn in turns:
+        last = out[-1] if out else None
+        if last is not None and last.role == turn.role:
+            seq = last.prompt_ids + last.completion_ids
+            if turn.prompt_ids[: len(seq)] == seq:
+                gap = len(turn.prompt_ids) - len(seq)
+                kinds = last.kinds + [PROMPT] * gap + turn.kinds
+                routes = shift([PROMPT] * len(last.prompt_ids) + kinds, route_of[turn.role])
+                if routes == turn.routes and routes[: len(seq)] == last.routes:  # each call's own routes
+                    out[-1] = dataclasses.replace(
+                        turn, prompt_ids=last.prompt_ids, completion_ids=turn.prompt_ids[len(last.prompt_ids) :]
+                        + turn.completion_ids, kinds=kinds, routes=routes,
+                        logprobs=last.logprobs + [0.0] * gap + turn.logprobs,
+                    )  # fmt: skip
+                    continue
+        out.append(turn)
+    return out
+
+
 def _token_turn(tokenizer, row: Mapping[str, Any], route_of: Mapping[str, int], max_len: int | None) -> Turn:
     """A token row as it is (a rollout's exact ids and kinds); its ids must fit the role's vocabulary."""
     size = len(tokenizer)
@@ -255,10 +283,10 @@ def sft(
     turns = [
         t
         for row in data
-        for t in demonstration_turns(
+        for t in chained(demonstration_turns(
             policy.tokenizer_of(row["role"]), row, policy.route_of, tags=tags.get(row["role"]),
             max_len=cfg.sft.max_len,
-        )
+        ), policy.route_of)
     ]  # fmt: skip
     if not turns:
         raise ValueError(f"{cfg.sft.data!r} holds no assistant messages to imitate")

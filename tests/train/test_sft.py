@@ -129,6 +129,52 @@ def test_an_imitation_step_groups_its_rows_by_role_and_length_and_keeps_the_grad
     assert any(bool(torch.any(g != 0)) for g in grouped)
 
 
+def test_a_conversations_calls_train_as_one_row_with_their_loss_and_gradient(tokenizer):
+    """A call that continues the one before (its prompt = that call + the result message) joins its row: the
+    same loss tokens, loss and adapter gradient as the calls' own rows (fp32), the conversation's prompt run
+    once. Under DART the earlier call's tool-call tokens route to `tool` where the later call's prompt routes
+    them to `reason`: those calls stay apart."""
+    from rolerl.roles import KINDS
+    from rolerl.train.sft import chained
+
+    model, tok = rolerl.tiny_model("llama", seed=0, tokenizer=tokenizer)
+    rolerl.add_adapters(model, ["reason", "tool"], rank=4)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    system, user = CONVERSATION["messages"][:2]
+    conversation = {"role": "policy", "messages": [
+        system, user, {"role": "assistant", "content": "Let me compute.<code>print(6*7)</code>"},
+        {"role": "user", "content": "Result: 42"},
+        {"role": "assistant", "content": "Check: <code>print(42 / 7)</code>"},
+        {"role": "user", "content": "Result: 6.0"},
+        {"role": "assistant", "content": "So <answer>42</answer>"},
+    ]}  # fmt: skip
+    one = {"policy": dict.fromkeys(KINDS, 0)}  # every token on one adapter (shared, isolated)
+    calls = demonstration_turns(tok, conversation, one)
+    (row,) = chained(calls, one)
+    assert row.prompt_ids == calls[0].prompt_ids
+    assert row.prompt_ids + row.completion_ids == calls[-1].prompt_ids + calls[-1].completion_ids
+    assert len(row.prompt_ids) + len(row.completion_ids) < sum(
+        len(c.prompt_ids) + len(c.completion_ids) for c in calls
+    )
+
+    def loss_and_grads(turns):
+        batch = collate(turns, [0.0] * len(turns), one, pad_id=2)
+        model.zero_grad()
+        loss = sft_loss(model, batch, AggNorm.of(batch.loss_mask), chunk_size=None, bf16=False)
+        loss.backward()
+        grads = [p.grad.clone() for n, p in model.named_parameters() if n.endswith("lora_B.reason")]
+        return float(loss.detach()), int(batch.loss_mask.sum()), grads
+
+    (a, n_a, g_a), (b, n_b, g_b) = loss_and_grads(calls), loss_and_grads([row])
+    assert n_a == n_b and a == pytest.approx(b, rel=1e-5)
+    for x, y in zip(g_a, g_b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    dart = dart_route_of()
+    assert len(chained(demonstration_turns(tok, conversation, dart), dart)) == 3
+
+
 def test_read_demonstrations_errors(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(
