@@ -182,13 +182,19 @@ def _run_recipe(args: argparse.Namespace) -> int:
     its standard error), results.json and the report (rolerl report). Each finished stage is marked in
     OUT/stages/: rerunning the same command skips what is done and continues what was cut short."""
     from rolerl.recipe import RecipeSettings, run_recipe
+    from rolerl.train.checkpoint import TrainingInterrupted
 
     settings = RecipeSettings(
         args.name, out=args.out, seed=args.seed, model=args.model, topology=args.topology, steps=args.steps,
         limit=args.limit, demos=args.demos, data=args.data, overrides=tuple(args.set), warm_from=args.warm_from,
         pass_k=args.pass_k, progress=not args.no_progress,
     )  # fmt: skip
-    results = run_recipe(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+    try:
+        results = run_recipe(settings, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+    except TrainingInterrupted as e:  # the stage's trainer kept its last step: the recipe is what to rerun
+        raise KeyboardInterrupt(
+            f"{e.why} at step {e.step} of {e.run_dir} ({e.kept}); rerun the same command to continue"
+        ) from e
     if args.json:
         print(json.dumps(results))
     return 0

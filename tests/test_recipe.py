@@ -334,3 +334,20 @@ def test_an_imitation_cut_short_goes_on_from_its_checkpoint(tmp_path, monkeypatc
         "starts again"
     ]
     assert [r["step"] for r in RunDir(root / "sft", tensorboard=False).read_metrics()] == [1, 2, 3]
+
+
+def test_a_trainer_stopped_inside_the_recipe_says_to_rerun_the_recipe(tmp_path, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM in the imitation or GRPO stage: the trainer checkpointed its last step, and the
+    command to continue is the recipe itself (its rerun resumes that stage), exit status 130."""
+    import rolerl.recipe
+    from rolerl.train.checkpoint import TrainingInterrupted
+
+    def stopped(settings, log):
+        raise TrainingInterrupted(17, 16, tmp_path / "sft", "stopped by SIGTERM", command="sft")
+
+    monkeypatch.setattr(rolerl.recipe, "run_recipe", stopped)
+    assert main(["recipe", "gsm8k-msarl", "--out", str(tmp_path), "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"rolerl recipe: stopped by SIGTERM at step 17 of {tmp_path / 'sft'} (step 16 is checkpointed); rerun "
+        "the same command to continue"
+    )

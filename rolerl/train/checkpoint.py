@@ -71,9 +71,14 @@ class TrainingInterrupted(KeyboardInterrupt):
     def __init__(
         self, step: int, saved: int, run_dir: str | Path, why: str = "interrupted", command: str = "train"
     ) -> None:
-        self.step, self.saved, self.run_dir = step, saved, Path(run_dir)
-        kept = f"step {saved} is checkpointed" if saved else "no step had completed"
-        super().__init__(f"{why} at step {step} ({kept}); continue with rolerl {command} --resume {run_dir}")
+        self.step, self.saved, self.run_dir, self.why = step, saved, Path(run_dir), why
+        super().__init__(
+            f"{why} at step {step} ({self.kept}); continue with rolerl {command} --resume {run_dir}"
+        )
+
+    @property
+    def kept(self) -> str:
+        return f"step {self.saved} is checkpointed" if self.saved else "no step had completed"
 
 
 def holds_run(run_dir: str | Path) -> list[str]:
