@@ -181,6 +181,7 @@ def _run_recipe(args: argparse.Namespace) -> int:
     train with the Python sandbox (rolerl train), the adapters after RL on the test set (greedy pass@1 with
     its standard error), results.json and the report (rolerl report). Each finished stage is marked in
     OUT/stages/: rerunning the same command skips what is done and continues what was cut short."""
+    from rolerl.eval.harness import EvalInterrupted
     from rolerl.recipe import RecipeSettings, run_recipe
     from rolerl.train.checkpoint import TrainingInterrupted
 
@@ -194,6 +195,10 @@ def _run_recipe(args: argparse.Namespace) -> int:
     except TrainingInterrupted as e:  # the stage's trainer kept its last step: the recipe is what to rerun
         raise KeyboardInterrupt(
             f"{e.why} at step {e.step} of {e.run_dir} ({e.kept}); rerun the same command to continue"
+        ) from e
+    except EvalInterrupted as e:  # the evaluation kept its finished chunks: the rerun continues them
+        raise KeyboardInterrupt(
+            f"{e.why} after {e.kept} of {e.total} samples of {e.out}; rerun the same command to continue"
         ) from e
     if args.json:
         print(json.dumps(results))

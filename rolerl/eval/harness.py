@@ -81,6 +81,18 @@ class EvalSpec:
             raise ValueError("--table routes to trained adapters: give --adapters DIR or --run RUN with it")
 
 
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during an evaluation with an output directory: the samples of every finished chunk
+    are in its samples.jsonl; `str()` says how to go on."""
+
+    def __init__(self, why: str, kept: int, total: int, out: Path) -> None:
+        self.why, self.kept, self.total, self.out = why, kept, total, out
+        super().__init__(
+            f"{why} after {kept} of {total} samples (in {out / 'samples.jsonl'}); continue with the same "
+            "command and --resume"
+        )
+
+
 @dataclass
 class Sample:
     """One episode of one example, as `samples.jsonl` stores it."""
@@ -104,6 +116,7 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
     """Evaluate; returns the results dict (also written to `spec.out/results.json` when `out` is set)."""
     from rolerl.progress import ProgressBar
     from rolerl.tasks import load_task
+    from rolerl.train.distributed import Terminated, sigterm_raises
     from rolerl.workflows import load_workflow
 
     task = load_task(spec.task, spec.data)
@@ -120,18 +133,25 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
     policy, cfg, identity = spec_policy(spec, workflow.roles)
     todo = [i for i, ex in enumerate(examples) if any((ex.id, j) not in done for j in range(spec.n))]
     t0 = time.perf_counter()
-    with ProgressBar("eval", len(examples) * spec.n, completed=len(done), enabled=spec.progress) as bar:
-        for chunk, episodes in rollouts(spec, workflow, policy, cfg, examples, todo, bar, len(done)):
-            fresh = [
-                _sample(task, ex, j, ep, policy)
-                for ex, eps in zip(chunk, episodes, strict=True)
-                for j, ep in enumerate(eps)
-                if (ex.id, j) not in done
-            ]
-            for s in fresh:
-                done[(s.id, s.sample)] = s
-            if out is not None:
-                _append(out / "samples.jsonl", fresh)
+    total = len(examples) * spec.n
+    try:
+        with sigterm_raises(), ProgressBar("eval", total, completed=len(done), enabled=spec.progress) as bar:
+            for chunk, episodes in rollouts(spec, workflow, policy, cfg, examples, todo, bar, len(done)):
+                fresh = [
+                    _sample(task, ex, j, ep, policy)
+                    for ex, eps in zip(chunk, episodes, strict=True)
+                    for j, ep in enumerate(eps)
+                    if (ex.id, j) not in done
+                ]
+                for s in fresh:
+                    done[(s.id, s.sample)] = s
+                if out is not None:
+                    _append(out / "samples.jsonl", fresh)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what is written stays, and --resume goes on from it
+        if out is None or isinstance(e, EvalInterrupted):
+            raise
+        why = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        raise EvalInterrupted(why, len(done), total, out) from e
     samples = [done[(ex.id, j)] for ex in examples for j in range(spec.n)]
     results = {
         "spec": dataclasses.asdict(spec),

@@ -70,6 +70,53 @@ def test_resume_after_a_kill_gives_the_uninterrupted_result(tmp_path):
     assert got == sorted((tmp_path / "full" / "samples.jsonl").read_text().splitlines())
 
 
+def test_sigterm_keeps_the_finished_chunks_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler, `kill`) mid-evaluation: the chunks written stay, the one line says how to go on
+    (`rolerl eval` exits 130 with it); the resumed evaluation equals the uninterrupted one."""
+    import signal
+
+    import rolerl.eval.harness as harness
+
+    # max_batch 4, 2 samples an example: chunks of 2 examples (4 samples), 2 and 1
+    full = run_eval(
+        EvalSpec(**BASE, n=2, temperature=1.0, max_batch=4, out=str(tmp_path / "full")),
+        log_line=lambda _: None,
+    )
+    real, chunks = harness._append, []
+
+    def then_sigterm(path, samples):
+        real(path, samples)
+        chunks.append(len(samples))
+        if len(chunks) == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(harness, "_append", then_sigterm)
+    out = tmp_path / "cut"
+    with pytest.raises(harness.EvalInterrupted) as stopped:
+        run_eval(EvalSpec(**BASE, n=2, temperature=1.0, max_batch=4, out=str(out)), log_line=lambda _: None)
+    assert str(stopped.value) == (
+        f"stopped by SIGTERM after 8 of 10 samples (in {out / 'samples.jsonl'}); continue with the same "
+        "command and --resume"
+    )
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 8 and chunks == [4, 4]
+    monkeypatch.setattr(harness, "_append", real)
+    again = run_eval(
+        EvalSpec(**BASE, n=2, temperature=1.0, max_batch=4, out=str(out), resume=True),
+        log_line=lambda _: None,
+    )
+    assert again["metrics"] == full["metrics"]
+
+    def stop(spec):
+        raise stopped.value
+
+    monkeypatch.setattr(harness, "run_eval", stop)
+    assert (
+        main(["eval", "--task", "arithmetic", "--model", "tiny:llama", "--limit", "5", "--out", str(out)])
+        == 130
+    )
+    assert capsys.readouterr().err.strip().endswith(f"rolerl eval: {stopped.value}")
+
+
 def test_eval_loads_a_training_runs_newest_checkpoint(tmp_path):
     from rolerl.config import load_config
     from rolerl.train.rl import train
