@@ -25,6 +25,7 @@ from typing import Any
 
 from rolerl.eval.metrics import binomial_stderr, pass_at_k
 from rolerl.files import write_json
+from rolerl.signals import Terminated, sigterm_raises
 from rolerl.tasks.base import Example, Task, majority_correct
 from rolerl.types import Episode
 from rolerl.workflows.base import pooled_measures, workflow_name
@@ -116,7 +117,6 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
     """Evaluate; returns the results dict (also written to `spec.out/results.json` when `out` is set)."""
     from rolerl.progress import ProgressBar
     from rolerl.tasks import load_task
-    from rolerl.train.distributed import Terminated, sigterm_raises
     from rolerl.workflows import load_workflow
 
     task = load_task(spec.task, spec.data)

@@ -14,19 +14,17 @@ process and every collective here is the identity.
 
 Faults (docs/DISTRIBUTED.md "When a rank fails"): a collective that fails (a peer died: gloo sees its socket
 close; or no answer within `train.dist_timeout_s`) raises `RankFailure`, which the loop completes with the
-`--resume` command; torchrun, seeing a rank exit, sends SIGTERM to the others, which `sigterm_raises` turns
-into an exception so that they, too, stop through the loop's error path instead of vanishing silently.
+`--resume` command; torchrun, seeing a rank exit, sends SIGTERM to the others, which `sigterm_raises`
+(rolerl.signals) turns into an exception so that they, too, stop through the loop's error path instead of vanishing silently.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -42,11 +40,6 @@ FAULT_ENV = "ROLERL_FAULT"
 class RankFailure(ConnectionError):
     """A collective failed: another rank died, or did not answer within `train.dist_timeout_s`. An
     OSError (a fault of the machine, not a bug), so `rolerl train` prints it as one line."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (torchrun stopping the job after another rank failed, or a scheduler preempting it): stops
-    the run the way Ctrl-C does (the last completed step is checkpointed first)."""
 
 
 @dataclass(frozen=True)
@@ -185,47 +178,6 @@ def close(dist: Dist, ok: bool = True) -> None:
     if dist.joined and ok and torch_dist.is_initialized():
         dist.barrier()
         torch_dist.destroy_process_group()
-
-
-_stopping = False  # the run is on its error path (`stopping`): SIGTERM no longer interrupts it
-
-
-def stopping() -> None:
-    """The run is on its way out after an error: from now on SIGTERM (which torchrun sends the other ranks
-    as soon as one fails) is only logged, so that the checkpoint of the last completed step and the error
-    report complete (torchrun sends SIGKILL 30 s later, should a rank linger)."""
-    global _stopping
-    _stopping = True
-
-
-@contextlib.contextmanager
-def sigterm_raises(keep_after_error: bool = False) -> Iterator[None]:
-    """While inside, the first SIGTERM raises `Terminated` in the main thread, as Ctrl-C raises
-    KeyboardInterrupt (elsewhere, or outside, SIGTERM keeps its handler): torchrun's agent stops the ranks
-    left after one failed with SIGTERM, and without this a rank busy computing would vanish without a word
-    or a checkpoint. `keep_after_error` (a torchrun rank, about to exit): when the block raises, SIGTERM
-    stays absorbed, so a late one cannot cut the error report short."""
-    global _stopping
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        if _stopping:
-            log.warning("SIGTERM while stopping: the checkpoint and the error report finish first")
-            return
-        stopping()
-        raise Terminated("SIGTERM")
-
-    _stopping = False
-    previous = signal.signal(signal.SIGTERM, handler)
-    failed = True
-    try:
-        yield
-        failed = False
-    finally:
-        if not (failed and keep_after_error):
-            signal.signal(signal.SIGTERM, previous)
 
 
 def fault_point(point: str, step: int) -> None:

@@ -36,6 +36,7 @@ from rolerl.rollout.scheduler import EngineBackend, ModelRouter, RolloutBackend
 from rolerl.rollout.vllm_checks import resolve_backend
 from rolerl.run.engines import build_engines, role_calls
 from rolerl.run.policy import Policy, build_policy, resolve_device
+from rolerl.signals import Terminated, sigterm_raises, stopping
 from rolerl.tasks import Example, Task, load_task
 from rolerl.train.checkpoint import (
     Completed,
@@ -49,16 +50,7 @@ from rolerl.train.checkpoint import (
     save_checkpoint,
 )
 from rolerl.train.credit import advantages_of, turn_rewards
-from rolerl.train.distributed import (
-    SINGLE,
-    Dist,
-    RankFailure,
-    Terminated,
-    fault_point,
-    init_from_env,
-    sigterm_raises,
-    stopping,
-)
+from rolerl.train.distributed import SINGLE, Dist, RankFailure, fault_point, init_from_env
 from rolerl.train.distributed import close as close_dist
 from rolerl.train.grad_conflict import role_gradients
 from rolerl.train.monitor import ToolHealth, episode_metrics, sampled_tokens, ticker

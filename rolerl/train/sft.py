@@ -55,6 +55,7 @@ from rolerl.roles import (
     split_segments,
 )
 from rolerl.run.policy import Policy, build_policy
+from rolerl.signals import Terminated, sigterm_raises, stopping
 from rolerl.train.checkpoint import (
     Completed,
     RunDir,
@@ -65,7 +66,6 @@ from rolerl.train.checkpoint import (
     prepare_run_dir,
     save_checkpoint,
 )
-from rolerl.train.distributed import Terminated, sigterm_raises, stopping
 from rolerl.train.optim import lr_factor, policy_optimizer
 from rolerl.train.policy import autocast, select_rows, token_logprobs
 from rolerl.types import TrainBatch, Turn, collate
