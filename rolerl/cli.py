@@ -447,6 +447,18 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[st
     return config, overrides
 
 
+def _config_or_resume(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The config to load and its overrides for `rolerl train` and `rolerl sft`: CONFIG, or with --resume
+    RUN_DIR that run's own config.yaml (unless a CONFIG is given) and run.dir=RUN_DIR."""
+    from pathlib import Path
+
+    config, overrides = _config_and_overrides(args)
+    path = config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
+    if path is None:
+        raise ValueError("give a CONFIG (a YAML file or an example's name, e.g. smoke) or --resume RUN_DIR")
+    return path, [*overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
+
+
 def _configure_train(p: argparse.ArgumentParser) -> None:
     _add_config_args(p, resume=True)
     p.add_argument(
@@ -469,16 +481,11 @@ def _run_train(args: argparse.Namespace) -> int:
     checkpoints/step_N/ (PEFT adapters + optimizer and RNG state) into run.dir. Ctrl-C checkpoints the
     last completed step and says how to continue. Several GPUs or nodes: `torchrun --nproc_per_node N -m
     rolerl train CONFIG.yaml`, one data-parallel rank per process (docs/DISTRIBUTED.md)."""
-    from pathlib import Path
 
     from rolerl.config import load_config
     from rolerl.train.rl import train
 
-    config, overrides = _config_and_overrides(args)
-    path = config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
-    if path is None:
-        raise ValueError("give a CONFIG (a YAML file or an example's name, e.g. smoke) or --resume RUN_DIR")
-    overrides = [*overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
+    path, overrides = _config_or_resume(args)
     cfg = load_config(path, overrides)
     run_dir = train(cfg, resume=args.resume is not None, overwrite=args.overwrite)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports the run
@@ -510,16 +517,11 @@ def _run_sft(args: argparse.Namespace) -> int:
     token rows `rolerl collect` writes);
     writes run.dir/adapters/<name> as PEFT directories, to start RL from with adapters.init. Ctrl-C
     checkpoints the last completed step and says how to continue (--resume)."""
-    from pathlib import Path
 
     from rolerl.config import load_config
     from rolerl.train.sft import sft
 
-    config, overrides = _config_and_overrides(args)
-    path = config or (str(Path(args.resume) / "config.yaml") if args.resume else None)
-    if path is None:
-        raise ValueError("give a CONFIG (a YAML file or an example's name, e.g. smoke) or --resume RUN_DIR")
-    overrides = [*overrides, *([f"run.dir={args.resume}"] if args.resume else [])]
+    path, overrides = _config_or_resume(args)
     cfg = load_config(path, [*overrides, *([f"sft.data={args.data}"] if args.data else [])])
     if not cfg.sft.data:
         raise ValueError("sft.data is empty: pass --data FILE.jsonl or --set sft.data=FILE.jsonl")

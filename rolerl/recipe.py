@@ -14,9 +14,9 @@ the recipe's example config (rolerl/configs/<name>.yaml) with the flags on top:
 
 Everything goes under one directory (`--out`, default runs/<name>). Each finished stage leaves a marker
 (`rolerl.pipeline`), so a rerun of the same command skips what is done and goes on where it stopped: an
-evaluation continues its samples.jsonl, GRPO and the imitation their newest checkpoint. The test subset (`--limit N`: the
-first N of a fixed shuffle of the 1319 problems) does not depend on `--seed`, so every seed and arm is
-measured on the same problems. `--warm-from DIR` copies another run's finished warm start (stages 1-4) so
+evaluation continues its samples.jsonl, GRPO and the imitation their newest checkpoint. The test subset
+(`--limit N`: the first N of a fixed shuffle of the 1319 problems) does not depend on `--seed`, so every
+seed and arm is measured on the same problems. `--warm-from DIR` copies another run's finished warm start (stages 1-4) so
 that only GRPO, with this run's seed, and its evaluation run; `--pass-k N` adds a stage that samples the final
 adapters N times a problem (pass@k, maj@k).
 """

@@ -148,7 +148,7 @@ def run_eval(spec: EvalSpec, log_line: Callable[[str], None] = print) -> dict[st
                 if out is not None:
                     _append(out / "samples.jsonl", fresh)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what is written stays, and --resume goes on from it
-        if out is None or isinstance(e, EvalInterrupted):
+        if out is None:
             raise
         why = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
         raise EvalInterrupted(why, len(done), total, out) from e

@@ -12,7 +12,6 @@ import json
 import logging
 import queue
 import random
-import signal
 import threading
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from rolerl.signals import sigterm_raises
 from rolerl.tools.retrieval_types import Passage, Retriever, RetrieverError
 
 log = logging.getLogger(__name__)
@@ -331,19 +331,11 @@ def serve_retriever(
     if cap is not None and cap < backlog:
         log.warning("the kernel caps the listen backlog at net.core.somaxconn = %d (asked: %d)", cap, backlog)
     pool = f"{workers} worker threads" if workers else "a thread per connection"
-    # SIGTERM (kill, systemd, docker stop) ends it as Ctrl-C does: the socket closed, the call returns
-    on_main = threading.current_thread() is threading.main_thread()  # handlers install only there
-    before = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     log.warning("serving retrieval at %s with %s, backlog %d (Ctrl-C stops)", server.url, pool, backlog)
     try:
-        server.serve_forever()
+        with sigterm_raises():  # SIGTERM (kill, systemd, docker stop) ends it as Ctrl-C does
+            server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
-        if on_main:
-            signal.signal(signal.SIGTERM, before)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)

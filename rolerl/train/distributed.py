@@ -15,7 +15,8 @@ process and every collective here is the identity.
 Faults (docs/DISTRIBUTED.md "When a rank fails"): a collective that fails (a peer died: gloo sees its socket
 close; or no answer within `train.dist_timeout_s`) raises `RankFailure`, which the loop completes with the
 `--resume` command; torchrun, seeing a rank exit, sends SIGTERM to the others, which `sigterm_raises`
-(rolerl.signals) turns into an exception so that they, too, stop through the loop's error path instead of vanishing silently.
+(rolerl.signals) turns into an exception so that they, too, stop through the loop's error path instead of
+vanishing silently.
 """
 
 from __future__ import annotations
