@@ -107,6 +107,18 @@ class LockstepBackend:
         if self._changed is None or self._pump is None or self._pump.done():
             self._changed = asyncio.Event()
             self._pump = asyncio.get_running_loop().create_task(self._run())
+            self._pump.add_done_callback(self._pump_ended)
+
+    def _pump_ended(self, pump: asyncio.Task) -> None:
+        """A pump that raised takes its requests down with it. Ctrl-C or SIGTERM inside an engine step has
+        already left the event loop (asyncio re-raises them) for the caller to handle: reading it here
+        keeps asyncio from printing it a second time, as a task exception never retrieved."""
+        error = None if pump.cancelled() else pump.exception()
+        if isinstance(error, Exception):  # a bug of the pump's own: every waiting call fails with it
+            for ep, future in [*self._owner.values(), *((q[0], q[3]) for q in self._queue)]:
+                self._resolve(ep, future, None, error)
+            self._owner.clear()
+            self._queue.clear()
 
     def _all_waiting(self) -> bool:
         return all(n > 0 for n in self._outstanding.values())

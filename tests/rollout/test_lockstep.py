@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -78,3 +81,52 @@ def test_generate_outside_an_episode_and_bad_requests(tiny):
         backend.close()
     assert len(good.completion_ids) == 2
     assert isinstance(bad, ValueError) and "engine tools" in str(bad)
+
+
+INTERRUPTED = """
+import asyncio
+import rolerl
+from rolerl.rollout.engine import Engine, GenerationRequest
+from rolerl.rollout.lockstep import LockstepBackend
+from rolerl.rollout.sampling import SamplingParams
+from rolerl.signals import Terminated
+
+class InterruptedEngine(Engine):  # its second step is stopped by SIGTERM (rolerl.signals: as Ctrl-C)
+    def step(self):
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 2:
+            raise Terminated("SIGTERM")
+        return super().step()
+
+model, tok = rolerl.tiny_model("llama", seed=0)
+backend = LockstepBackend(InterruptedEngine(model, tok, max_batch=2))
+request = GenerationRequest([1, 2], SamplingParams(max_new_tokens=4))
+try:
+    asyncio.run(backend.episode(backend.generate(request)))
+except Terminated:
+    print("interrupted")
+"""
+
+
+def test_sigterm_in_an_engine_step_reaches_the_caller_once():
+    """The interrupt leaves the event loop for the caller to handle, and asyncio does not print it again
+    at exit as a task exception that was never retrieved (a process, to see what it prints at exit)."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "interrupted", done.stderr[-2000:]
+    assert "never retrieved" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_pump_that_fails_fails_its_waiting_calls(tiny, monkeypatch):
+    model, tok = tiny
+    backend = LockstepBackend(Engine(model, tok, max_batch=2))
+    monkeypatch.setattr(backend, "_submit_queued", lambda: (_ for _ in ()).throw(RuntimeError("pump bug")))
+
+    async def main():
+        return await backend.episode(
+            backend.generate(GenerationRequest([1, 2], SamplingParams(max_new_tokens=2)))
+        )
+
+    with pytest.raises(RuntimeError, match="pump bug"):
+        asyncio.run(asyncio.wait_for(main(), timeout=10))  # failed, not left waiting forever
+    backend.close()
