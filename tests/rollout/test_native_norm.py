@@ -14,6 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from rolerl.rollout import native
 from rolerl.rollout.decoder import _plain_rms_norm
 from rolerl.rollout.engine import Engine
+from rolerl.rollout.packed import PACKED, resolve_kernels
 from tests.rollout.test_engine import scripted_requests, scripted_sampler
 from tests.rollout.test_native import count_calls
 
@@ -115,6 +116,12 @@ def test_engine_with_the_native_norms_gives_torchs_logprobs(tokenizer, dtype, mo
     calls = count_calls(monkeypatch, "rms_norm")
     model, tok = rolerl.tiny_model("llama", dtype=dtype, tokenizer=tokenizer)
     scripts, reqs = scripted_requests(tok, 10)
+    if resolve_kernels("auto", torch.device("cpu"), dtype) not in PACKED:  # bf16 on a CPU without native bf16
+        with pytest.raises(ValueError, match="runs on the engine's own decoder only"):
+            Engine(model, tok, max_batch=4, pointwise="native")
+        pytest.skip(
+            f"the engine's own decoder does not run {dtype} on this CPU (rollout.kernels auto: torch)"
+        )
     logprobs = {}
     for pointwise in ("torch", "native"):
         engine = Engine(model, tok, max_batch=4, pointwise=pointwise, sampler=scripted_sampler(scripts))
