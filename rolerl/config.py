@@ -354,8 +354,8 @@ class TrainConfig(Section):
     # positions per chunk in the log-prob computation; auto = on CPU the most whose fp32 logits fit in 32 MB
     # (the largest block the kept heap serves: 170 at a 49,152-token vocabulary), 512 on GPUs
     logprob_chunk: int | Literal["auto"] = "auto"
-    # compute a prompt shared by several rows (a GRPO group), or the start all rows' prompts share (the
-    # system prompt of imitation data), once per micro-batch (RL and imitation)
+    # compute a prompt shared by several rows (a GRPO group), or a start rows' prompts share (a system
+    # prompt, a problem), once per micro-batch (RL and imitation)
     share_prefix: bool = True
     # rows whose loss is zero at every token (zero advantage, e.g. a GRPO group whose samples all scored alike,
     # and no KL or entropy term for their role) run no forward or backward in the update: the same gradient
@@ -468,9 +468,12 @@ class RunConfig(Section):
 @dataclass
 class SFTConfig(Section):
     _name = "sft"
-    data: str = ""  # JSONL of demonstrations: {"role": ..., "messages": [chat messages]} per line
+    # JSONL of demonstrations: {"role": ..., "messages": [chat messages], "id": optional} per line; rows of
+    # one id train in one step
+    data: str = ""
     epochs: int = 1  # passes over the data
-    batch_size: int = 8  # sequences per optimizer step
+    # rows per optimizer step (whole demonstrations, at most this many rows unless one is larger)
+    batch_size: int = 8
     max_len: int = 2048  # longer demonstrations are cut (and warned about)
     lr: float = 1e-4  # AdamW learning rate for imitation (the rest of `optim` applies)
 

@@ -234,9 +234,10 @@ def msarl_demonstrations(solution: Solution, task: MathTask) -> list[dict[str, A
 
 
 def demonstrations(solution: Solution, task: MathTask, fmt: Format) -> list[dict[str, Any]]:
-    if fmt == "tir":
-        return [tir_demonstration(solution, task)]
-    return msarl_demonstrations(solution, task)
+    """The rows of one solution, each with the example's id (`rolerl sft` trains a problem's rows in one
+    step, their shared prompt start once)."""
+    rows = [tir_demonstration(solution, task)] if fmt == "tir" else msarl_demonstrations(solution, task)
+    return [{**row, "id": solution.example.id} for row in rows]
 
 
 def build(

@@ -251,7 +251,7 @@ def build(
             else:
                 got = BUILDERS[name](workflow, example, right, rng, report)
                 report.rows.update(r["role"] for r in got)
-                rows += got
+                rows += [{**r, "id": example.id} for r in got]  # one step trains them (rolerl sft)
             bar.update(i, ", ".join(f"{r} {report.rows[r]}" for r in workflow.roles))
     write_jsonl(out, rows)
     return report

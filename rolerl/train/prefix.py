@@ -7,8 +7,9 @@ group, and only the rows' own tokens run a second forward that attends to them. 
 the index, so each prompt's activations receive the gradients of all the rows that read it: values and
 gradients equal the plain forward up to float rounding (the matmuls have other shapes). With a 60-token
 prompt and 128-token completions in groups of 8, that is 27% fewer positions through the decoder, and
-fewer activations kept for backward. Rows whose prompts all differ but start alike (the system prompt of
-imitation data: ~47 of ~110 positions in `rolerl demo`) share that start the same way.
+fewer activations kept for backward. Rows whose prompts differ but start alike share that start the same
+way: the system prompt of imitation data (~47 of ~110 positions in `rolerl demo`), or a system prompt and a
+problem (MSARL's coder calls on one problem, each with its own request).
 
 On CPU under SDPA, rows of different lengths run that second pass packed end to end (`PackedRows`: one
 `(1, N)` pass of real tokens, attention per row), so the linear layers compute no padding either.
@@ -62,10 +63,12 @@ def hidden_at(
 
 
 def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int]] | None:
-    """`(prefix length (B,), group (B,), first row of each group)`: the rows grouped by prompt ids and
-    `batch.routes`, or, where that saves fewer positions, one group whose prefix is the start all the rows'
-    prompts have in common; None when sharing saves nothing or the model's attention cannot take the
-    explicit mask it needs."""
+    """`(prefix length (B,), group (B,), first row of each group)`, or None when sharing saves nothing or
+    the model's attention cannot take the explicit mask it needs. Rows whose prompts start alike (ids and
+    `batch.routes`) form a group that runs that start, its prefix, once: the whole prompt where the rows
+    have the same one (GRPO's samples of a problem), the part they have in common where they differ after
+    it (a system prompt; the coder calls of one problem, each asking for another computation). The groups
+    are the split of the rows that saves the most positions (`_prefix_groups`)."""
     config = model.config
     if config._attn_implementation not in ("sdpa", "eager", GROUPED_SDPA, LEAN_EAGER):
         return None  # e.g. flash-attention-2 takes no 4D mask
@@ -75,23 +78,54 @@ def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int
     prompt_len = is_prompt.cumprod(-1).sum(-1)  # (B,) leading prompt positions
     if bool((prompt_len == 0).any()):
         return None
-    keys: dict[tuple, int] = {}
-    group, firsts = [], []
-    for r, n in enumerate(prompt_len.tolist()):
-        key = (tuple(batch.input_ids[r, :n].tolist()), tuple(batch.routes[r, :n].tolist()))
-        if key not in keys:
-            keys[key] = len(firsts)
-            firsts.append(r)
-        group.append(keys[key])
-    device, b = batch.input_ids.device, len(group)
-    saved = int(prompt_len.sum() - prompt_len[firsts].sum())  # positions the prompt groups save
-    common = _common_prefix(batch, int(prompt_len.min()))
-    if common >= MIN_COMMON and (b - 1) * common > saved:
-        # different prompts with a common start (a system prompt: imitation data, evaluation): that start once
-        return prompt_len.new_full((b,), common), torch.zeros(b, dtype=torch.long, device=device), [0]
-    if len(firsts) == b:
-        return None  # every prompt is different: nothing to share
-    return prompt_len, torch.tensor(group, device=device), firsts
+    prompts = [
+        list(zip(batch.input_ids[r, :n].tolist(), batch.routes[r, :n].tolist(), strict=True))
+        for r, n in enumerate(prompt_len.tolist())
+    ]
+    groups = _prefix_groups(prompts)
+    if len(groups) == len(prompts):
+        return None  # no two rows share enough: nothing to save
+    device, b = batch.input_ids.device, len(prompts)
+    prefix, group = [0] * b, [0] * b
+    for g, (rows, n) in enumerate(sorted(groups, key=lambda grp: min(grp[0]))):  # numbered by first row
+        for r in rows:
+            prefix[r], group[r] = n, g
+    firsts = sorted(min(rows) for rows, _ in groups)
+    return torch.tensor(prefix, device=device), torch.tensor(group, device=device), firsts
+
+
+def _prefix_groups(prompts: list[list[tuple[int, int]]]) -> list[tuple[list[int], int]]:
+    """The rows split into groups `(rows, prefix length)` that save the most positions, `(rows - 1) *
+    prefix` each. Sorted, rows that start alike are neighbours, so the best split is into runs of the
+    sorted order, found exactly by dynamic programming (B is a micro-batch: a few dozen rows). A run's
+    prefix is the shortest common start of its neighbours, at least `MIN_COMMON` positions unless it is
+    every one of their whole prompts. A row alone keeps its whole prompt."""
+    order = sorted(range(len(prompts)), key=lambda r: prompts[r])
+    common = [_common_length(prompts[a], prompts[b]) for a, b in zip(order, order[1:], strict=False)]
+    best = [0] * (len(order) + 1)  # best[j]: the most positions the first j sorted rows save
+    cut = [0] * (len(order) + 1)  # where best[j]'s last run starts
+    for j in range(1, len(order) + 1):
+        best[j], cut[j] = best[j - 1], j - 1  # row j - 1 alone
+        n, longest = len(prompts[order[j - 1]]), len(prompts[order[j - 1]])
+        for i in range(j - 2, -1, -1):  # runs [i, j): the longest of equal savings wins (fewer groups)
+            n, longest = min(n, common[i]), max(longest, len(prompts[order[i]]))
+            if n < MIN_COMMON and longest > n:  # short and not the whole prompt: nor will a longer run be
+                break
+            if best[i] + (j - 1 - i) * n >= best[j]:
+                best[j], cut[j] = best[i] + (j - 1 - i) * n, i
+    groups, j = [], len(order)
+    while j > 0:
+        i = cut[j]
+        rows = [order[k] for k in range(i, j)]
+        n = len(prompts[rows[0]]) if len(rows) == 1 else min(common[i : j - 1])
+        groups.append((rows, n))
+        j = i
+    return groups
+
+
+def _common_length(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def cache_arg(decoder: nn.Module, cache: DynamicCache) -> dict:
@@ -103,13 +137,6 @@ def cache_arg(decoder: nn.Module, cache: DynamicCache) -> dict:
         params = inspect.signature(decoder.forward).parameters
         _CACHE_ARG[kind] = "cache" if "cache" in params else "past_key_values"
     return {_CACHE_ARG[kind]: cache}
-
-
-def _common_prefix(batch: TrainBatch, limit: int) -> int:
-    """How many leading positions (at most `limit`) every row has alike, ids and routes."""
-    ids, routes = batch.input_ids[:, :limit], batch.routes[:, :limit]  # (B, L)
-    same = ((ids == ids[:1]) & (routes == routes[:1])).all(0)  # (L,)
-    return int(same.long().cumprod(0).sum())
 
 
 def _shared_forward(

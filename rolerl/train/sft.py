@@ -10,8 +10,10 @@ over them). It is cut with `split_segments` and tokenised segment by segment wit
 engine's own tokenisation of forced text), so SFT trains on exactly the token sequences rollouts produce
 (DESIGN). The prompt of a call is the chat template of the messages before it; a call that continues the
 one before it (a reasoner after a tool result) joins that call's row where the routes allow (`chained`:
-the same loss and gradient, the conversation's prompt run once). Routes come from `shift`
-with the topology, so SFT updates exactly the adapter each token would train in RL; the loss
+the same loss and gradient, the conversation's prompt run once). The rows of one `"id"` (a demonstration:
+the reasoner's conversation and the coder's calls on one problem) train in the same step, side by side,
+so the prompt start they share (system prompt and problem) runs once (`rolerl.train.prefix`). Routes come
+from `shift` with the topology, so SFT updates exactly the adapter each token would train in RL; the loss
 (token-mean negative log-likelihood) is on policy kinds only, never on prompt or tool output.
 
 A run checkpoints every `run.checkpoint_every` steps (`checkpoints/step_N`, as RL's: adapters, optimizer
@@ -30,6 +32,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,8 +78,9 @@ log = logging.getLogger(__name__)
 
 
 def read_demonstrations(path: str | Path) -> list[dict[str, Any]]:
-    """Lines of `{"role": str, "messages": [{"role": str, "content": str}, ...]}`; errors name the file, the
-    line (counting blank ones, as an editor does) and the field."""
+    """Lines of `{"role": str, "messages": [{"role": str, "content": str}, ...], "id": optional}`; errors
+    name the file, the line (counting blank ones, as an editor does) and the field. `id` (a string or an
+    integer) ties the rows of one demonstration together (module doc)."""
     rows = []
     for n, line in enumerate(Path(path).read_text().split("\n"), 1):  # not splitlines: JSON may hold U+2028
         if not line.strip():
@@ -93,12 +97,18 @@ def read_demonstrations(path: str | Path) -> list[dict[str, Any]]:
             )
         if not isinstance(row.get("role", "policy"), str):
             raise ValueError(f"{path}:{n}: role must be a string (a workflow role); got {row['role']!r:.80}")
+        key = row.get("id")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, str | int)):
+            raise ValueError(
+                f"{path}:{n}: id must be a string or an integer (a demonstration's); got {key!r:.60}"
+            )
+        unit = {} if key is None else {"id": str(key)}
         if token_row:
-            rows.append(_token_row(row, f"{path}:{n}"))
+            rows.append(_token_row(row, f"{path}:{n}") | unit)
             continue
         for i, message in enumerate(row["messages"]):
             _check_message(message, f"{path}:{n}: messages[{i}]")
-        rows.append({"role": row.get("role", "policy"), "messages": row["messages"]})
+        rows.append({"role": row.get("role", "policy"), "messages": row["messages"]} | unit)
     return rows
 
 
@@ -280,19 +290,15 @@ def sft(
                 f"demonstration role {row['role']!r} is not in the topology; roles: {sorted(roles)}"
             )
     tags = call_tags(cfg, roles)  # e.g. the search agent's: a query is a tool call, as in rollouts
-    turns = [
-        t
-        for row in data
-        for t in chained(demonstration_turns(
-            policy.tokenizer_of(row["role"]), row, policy.route_of, tags=tags.get(row["role"]),
-            max_len=cfg.sft.max_len,
-        ), policy.route_of)
-    ]  # fmt: skip
+    turns, units = training_rows(data, policy, tags, cfg.sft.max_len)
     if not turns:
         raise ValueError(f"{cfg.sft.data!r} holds no assistant messages to imitate")
     loss_kinds = None if every_kind else {role: policy.topology.loss_kinds(role) for role in roles}
     parts = _parts(policy, turns, roles, loss_kinds)
-    steps = cfg.sft.epochs * math.ceil(len(turns) / cfg.sft.batch_size)
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    batches = step_rows(units, cfg.sft.batch_size, cfg.sft.epochs, generator)
+    unit_of = unit_index(units, len(turns))
+    steps = len(batches)
     optimizer = policy_optimizer(policy, cfg.optim, lr=cfg.sft.lr)
     trained_on = _trained_on(cfg, turns, policy)
     start = _restore(cfg, policy, optimizer, trained_on) if resume else 0
@@ -303,7 +309,6 @@ def sft(
         wandb=cfg.run.wandb, wandb_entity=cfg.run.wandb_entity,
     )  # fmt: skip
     run.write_config(cfg)
-    generator = torch.Generator().manual_seed(cfg.run.seed)
     step = 0
     for member in policy.members.values():
         member.model.eval()  # no dropout (as in rollouts); train mode also runs p=0 dropout kernels (slow)
@@ -319,27 +324,26 @@ def sft(
             sigterm_raises(),
             ProgressBar("imitation", steps, completed=start, enabled=cfg.run.progress) as bar,
         ):
-            for epoch in range(cfg.sft.epochs):
-                for rows in torch.randperm(len(turns), generator=generator).split(cfg.sft.batch_size):
-                    if step < start:  # resumed: the same shuffle, so this batch is the one already trained
-                        step += 1
-                        continue
-                    t0 = time.perf_counter()
-                    lr = optimizer.set_lr(lr_factor(step, steps, cfg.optim))
-                    undo.arm()
-                    optimizer.zero_grad()
-                    loss, tokens = _imitation_step(parts, rows, cfg, policy.bf16)
-                    norms = optimizer.clip()
-                    optimizer.step()
+            for epoch, rows in batches:
+                if step < start:  # resumed: the same shuffle, so this batch is the one already trained
                     step += 1
-                    run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": norms["global"],
-                             "lr": next(iter(lr.values())), "tokens": tokens,
-                             "time/step": time.perf_counter() - t0})  # fmt: skip
-                    done.complete(step, next(iter(lr.values())))
-                    undo.disarm()
-                    if step % cfg.run.checkpoint_every == 0 and step < steps:
-                        checkpoint()
-                    bar.update(step, f"loss {loss:.4f}")
+                    continue
+                t0 = time.perf_counter()
+                lr = optimizer.set_lr(lr_factor(step, steps, cfg.optim))
+                undo.arm()
+                optimizer.zero_grad()
+                loss, tokens = _imitation_step(parts, rows, cfg, policy.bf16, unit_of)
+                norms = optimizer.clip()
+                optimizer.step()
+                step += 1
+                run.log({"step": step, "epoch": epoch, "loss/sft": loss, "grad_norm": norms["global"],
+                         "lr": next(iter(lr.values())), "tokens": tokens,
+                         "time/step": time.perf_counter() - t0})  # fmt: skip
+                done.complete(step, next(iter(lr.values())))
+                undo.disarm()
+                if step % cfg.run.checkpoint_every == 0 and step < steps:
+                    checkpoint()
+                bar.update(step, f"loss {loss:.4f}")
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`): keep the last completed step
         stopping()
         if done.step > done.saved:
@@ -417,22 +421,77 @@ def _parts(
     return out
 
 
-def _grouped(batch: TrainBatch, rows: list[int]) -> list[int]:
-    """A step's rows by role, then length: each micro-batch pads to rows of like length and runs its role's
-    shared prompt start once (`share_prefix`). The step's gradient is the sum over its rows in any order."""
+def training_rows(
+    data: Sequence[Mapping[str, Any]], policy: Policy, tags: Mapping[str, Tags], max_len: int | None
+) -> tuple[list[Turn], list[list[int]]]:
+    """The demonstrations' training rows (each conversation's calls, `chained` where exact) and the units
+    a step keeps together: the turn indices of each demonstration (rows with one id), or of one row."""
+    turns: list[Turn] = []
+    units: dict[Any, list[int]] = {}
+    for n, row in enumerate(data):
+        made = chained(demonstration_turns(
+            policy.tokenizer_of(row["role"]), row, policy.route_of, tags=tags.get(row["role"]), max_len=max_len,
+        ), policy.route_of)  # fmt: skip
+        units.setdefault(("id", row["id"]) if "id" in row else ("row", n), []).extend(
+            range(len(turns), len(turns) + len(made))
+        )
+        turns += made
+    return turns, [u for u in units.values() if u]
+
+
+def unit_index(units: Sequence[Sequence[int]], n: int) -> list[int]:
+    """Each of the `n` turns' unit (its position in `units`)."""
+    out = [0] * n
+    for u, members in enumerate(units):
+        for t in members:
+            out[t] = u
+    return out
+
+
+def step_rows(
+    units: Sequence[Sequence[int]], size: int, epochs: int, generator: torch.Generator
+) -> list[tuple[int, torch.Tensor]]:
+    """Every step's `(epoch, turn indices)`: each epoch the units (a demonstration's turns) in a shuffle of
+    `generator`, filled into steps of at most `size` turns (a larger unit is a step of its own). With one
+    turn a unit, `randperm(turns).split(size)`."""
+    out = []
+    for epoch in range(epochs):
+        step: list[int] = []
+        for u in torch.randperm(len(units), generator=generator).tolist():
+            if step and len(step) + len(units[u]) > size:
+                out.append((epoch, torch.tensor(step)))
+                step = []
+            step += units[u]
+        if step:
+            out.append((epoch, torch.tensor(step)))
+    return out
+
+
+def _grouped(batch: TrainBatch, rows: list[int], unit_of: Sequence[int]) -> list[int]:
+    """A step's rows by role, then demonstration (`unit_of`, by row of `batch`), then length: a
+    demonstration's calls of one role sit side by side, so a micro-batch runs the prompt start they share
+    (system prompt and problem) once (`share_prefix`); rows whose demonstration has no other call of their
+    role pad to rows of like length and share their role's system prompt. The step's gradient is the sum
+    over its rows in any order."""
     lengths = batch.attention_mask.sum(-1).tolist()
-    return sorted(rows, key=lambda i: (batch.roles[i], lengths[i]))
+    calls = Counter((batch.roles[i], unit_of[i]) for i in rows)
+    return sorted(rows, key=lambda i: (batch.roles[i], unit_of[i] if calls[batch.roles[i], unit_of[i]] > 1 else -1,
+                                       lengths[i]))  # fmt: skip
 
 
-def _imitation_step(parts, rows: torch.Tensor, cfg: Config, bf16: bool) -> tuple[float, float]:
-    """Accumulate one optimizer step's gradients over `rows` (global turn indices, any models); returns the
-    loss and its token count (the normaliser is counted over every model's rows of the step)."""
+def _imitation_step(
+    parts, rows: torch.Tensor, cfg: Config, bf16: bool, unit_of: Sequence[int] | None = None
+) -> tuple[float, float]:
+    """Accumulate one optimizer step's gradients over `rows` (global turn indices, any models; `unit_of`:
+    each turn's demonstration, default its own); returns the loss and its token count (the normaliser is
+    counted over every model's rows of the step)."""
     chosen = []
     for model, mine, batch in parts:
         where = {r: i for i, r in enumerate(mine)}
         local = [where[r] for r in rows.tolist() if r in where]
         if local:
-            chosen.append((model, select_rows(batch, _grouped(batch, local))))
+            units = mine if unit_of is None else [unit_of[r] for r in mine]
+            chosen.append((model, select_rows(batch, _grouped(batch, local, units))))
     norm = AggNorm.of(*[b.loss_mask for _, b in chosen])
     loss = 0.0
     for model, batch in chosen:

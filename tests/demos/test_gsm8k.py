@@ -196,6 +196,9 @@ def test_rolerl_sft_trains_a_step_on_the_demonstrations(tmp_path, fmt):
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["role"] for r in rows] == (["policy"] * 2 if fmt == "tir" else ["reasoner"] + ["coder"] * 3
                                          + ["reasoner"] + ["coder"] * 5)  # fmt: skip
+    # each row names its problem: a problem's rows train in one step, their common prompt start once
+    ids = ["gsm8k/train/0", "gsm8k/train/1"]
+    assert [r["id"] for r in rows] == (ids if fmt == "tir" else [ids[0]] * 4 + [ids[1]] * 6)
     # the recipe's own config; sft.batch_size counts calls (assistant messages): 64 puts them all in one step
     args = ["sft", f"gsm8k-{fmt}", "--data", str(out), "--set", "model.spec=tiny:llama", "model.device=cpu",
             "adapters.rank=4", f"run.dir={tmp_path / 'run'}", "run.tensorboard=false", "sft.epochs=1",

@@ -201,6 +201,7 @@ def test_cli_demos_writes_every_roles_rows_and_says_what_it_kept(tmp_path, capsy
     assert "orchestrator       4 kept" in captured.err
     rows = read_demonstrations(out)
     assert Counter(r["role"] for r in rows) == {"orchestrator": 4, "worker": 4, "synthesizer": 4}
+    assert len({r["id"] for r in rows}) == 4 and Counter(r["id"] for r in rows).most_common(1)[0][1] == 3
     for row in rows:
         if row["role"] == "orchestrator":  # the synthetic task's expression is the first strategy
             assert 1 <= len(parse_strategies(row["messages"][-1]["content"])) <= 2

@@ -116,9 +116,50 @@ def test_different_prompts_share_their_common_start(arch, tokenizer):
     prompt_len, group, firsts = prefix._plan(model, grouped)
     assert prompt_len.tolist() == [14] * 4 + [11] * 2 and firsts == [0, 4]
     assert prefix._plan(model, grouped_batch(route_of, groups=((14, 3), (11, 2)), system=10))[2] == [0]
-    # a start routed differently on one row is not common past that position
+    # a start routed differently on one row is not common past that position: that row (3 positions alike,
+    # below prefix.MIN_COMMON) keeps its whole prompt, the other three share their start
     batch.routes[2, 3] = 1 - int(batch.routes[2, 3])
-    assert prefix._plan(model, batch) is None  # 3 common positions: below prefix.MIN_COMMON
+    prompt_len, group, firsts = prefix._plan(model, batch)
+    assert prompt_len.tolist() == [10, 10, 16, 10] and group.tolist() == [0, 0, 1, 0] and firsts == [0, 2]
+    batch.routes[0, 5] = 1 - int(batch.routes[0, 5])  # rows 1 and 3 alike on 10 positions, row 0 on 5
+    assert prefix._plan(model, batch)[0].tolist() == [14, 10, 16, 10]
+    batch.routes[1, 7] = 1 - int(batch.routes[1, 7])  # and on 7
+    assert prefix._plan(model, batch) is None  # every row alone: nothing to share
+
+
+def test_calls_on_one_problem_share_the_problem(tokenizer):
+    """MSARL's coder calls: one system prompt, then a problem, then a request that differs call by call.
+    The calls on a problem run system prompt and problem once, a group per problem (sharing only the
+    system prompt would save fewer positions); a row like no other keeps its whole prompt. Values and
+    gradients are the plain forward's."""
+    model, route_of = routed_model("llama", tokenizer, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    system, a, b = (torch.randint(3, 4000, (n,), generator=g).tolist() for n in (10, 12, 9))
+    prompts = {"a1": system + a + [5, 6, 7], "b1": system + b + [5, 9], "a2": system + a + [8, 6],
+               "lone": [11, 12, 13, 14, 15], "b2": system + b + [6, 9, 9], "a3": system + a + [9]}  # fmt: skip
+    turns = []
+    for i, prompt in enumerate(prompts.values()):
+        kinds = [R, R, C, C, X, A][: 3 + i % 4]
+        routes = shift(["prompt"] * len(prompt) + kinds, route_of)
+        completion = torch.randint(3, 4000, (len(kinds),), generator=g).tolist()
+        turns.append(
+            Turn("policy", prompt, completion, kinds, routes, [math.nan if k == X else -1.0 for k in kinds])
+        )
+    batch = collate(turns, [0.5, -1.0, 0.2, 1.0, -0.3, 0.7], {"policy": route_of}, pad_id=2)
+    prompt_len, group, firsts = prefix._plan(model, batch)
+    # (3 - 1) x 22 + (2 - 1) x 19 = 63 positions saved, against 4 x 10 = 40 for the system prompt alone
+    assert prompt_len.tolist() == [22, 19, 22, 5, 19, 22] and group.tolist() == [0, 1, 0, 2, 1, 0]
+    assert firsts == [0, 1, 3]
+    shared, g_shared = logprobs_and_grads(model, batch, share=True)
+    plain, g_plain = logprobs_and_grads(model, batch, share=False)
+    mask = batch.loss_mask[:, :-1].bool()
+    torch.testing.assert_close(shared.logp, plain.logp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(shared.entropy[mask], plain.entropy[mask], rtol=0, atol=1e-10)
+    assert set(g_shared) == set(g_plain)
+    for name, grad in g_plain.items():
+        torch.testing.assert_close(
+            g_shared[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name
+        )
 
 
 def test_packed_rows_take_a_row_without_tokens_of_its_own(tokenizer):

@@ -86,6 +86,17 @@ def test_sft_loss_is_nll_on_policy_kinds_only(tokenizer):
     assert names == {"reason", "tool"}  # both adapters learn, the base does not
 
 
+def step_grads(policy, parts, rows, cfg, micro: int, unit_of=None) -> list[torch.Tensor]:
+    """The adapters' gradients of one imitation step over `rows`, in micro-batches of `micro` (fp32)."""
+    import rolerl.train.sft as sft_module
+
+    for p in policy.trainable():
+        p.grad = None
+    train = dataclasses.replace(cfg.train, micro_batch_size=micro)
+    sft_module._imitation_step(parts, rows, dataclasses.replace(cfg, train=train), False, unit_of)
+    return [p.grad.clone() for p in policy.trainable()]
+
+
 def test_an_imitation_step_groups_its_rows_by_role_and_length_and_keeps_the_gradient(monkeypatch):
     """Micro-batches of one role and like lengths (less padding, the role's prompt start shared): the step's
     gradient equals one micro-batch of every row (fp32: float sums in another order)."""
@@ -110,19 +121,12 @@ def test_an_imitation_step_groups_its_rows_by_role_and_length_and_keeps_the_grad
     real_loss = sft_module.sft_loss
     monkeypatch.setattr(sft_module, "sft_loss", lambda m, b, *a: seen.append(b) or real_loss(m, b, *a))
 
-    def grads(micro: int) -> list[torch.Tensor]:
-        for p in policy.trainable():
-            p.grad = None
-        sft_module._imitation_step(parts, rows, dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, micro_batch_size=micro)), bf16=False)  # fmt: skip
-        return [p.grad.clone() for p in policy.trainable()]
-
-    grouped = grads(2)
+    grouped = step_grads(policy, parts, rows, cfg, 2)
     assert [b.roles for b in seen] == [["asker"] * 2, ["asker", "coder"], ["coder"] * 2]
     lengths = [int(n) for b in seen for n in b.attention_mask.sum(-1)]
     assert lengths[:3] == sorted(lengths[:3]) and lengths[3:] == sorted(lengths[3:]), "by length in a role"
     seen.clear()
-    whole = grads(6)
+    whole = step_grads(policy, parts, rows, cfg, 6)
     assert len(seen) == 1
     for g, w in zip(grouped, whole, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
@@ -175,6 +179,73 @@ def test_a_conversations_calls_train_as_one_row_with_their_loss_and_gradient(tok
     assert len(chained(demonstration_turns(tok, conversation, dart), dart)) == 3
 
 
+def test_a_demonstrations_rows_train_in_one_step():
+    """`step_rows`: each epoch every turn once, a unit (a demonstration's turns) never split, steps of at
+    most the batch size (a larger unit alone), and with one turn a unit the plain shuffle."""
+    import rolerl.train.sft as sft_module
+
+    plain = sft_module.step_rows([[i] for i in range(10)], 4, 2, torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    expected = [(e, rows) for e in range(2) for rows in torch.randperm(10, generator=g).split(4)]
+    assert [e for e, _ in plain] == [e for e, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(plain, expected, strict=True))
+    units = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9, 10, 11], [12, 13]]
+    steps = sft_module.step_rows(units, 4, 3, torch.Generator().manual_seed(0))
+    for epoch in range(3):
+        rows = [r for e, step in steps if e == epoch for r in step.tolist()]
+        assert sorted(rows) == list(range(14))
+    for _, step in steps:
+        made = [u for u in units if set(u) & set(step.tolist())]
+        assert all(set(u) <= set(step.tolist()) for u in made), "a unit split across steps"
+        assert len(step) <= 4 or made == [units[3]]
+    # filled in the shuffle's order: a unit that would overflow the step starts the next one
+    first = torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist()
+    assert steps[0][1].tolist()[: len(units[first[0]])] == units[first[0]]
+
+
+def test_a_step_puts_a_demonstrations_calls_side_by_side(monkeypatch):
+    """Rows of one demonstration and role sit next to each other in the step's order (their micro-batch runs
+    the prompt start they share once); rows alone in their demonstration keep the length order; the
+    gradient is the one of a single micro-batch."""
+    import rolerl.train.sft as sft_module
+    from rolerl.run.policy import build_policy
+
+    cfg = load_config(None, ["model.spec=tiny:llama", "model.device=cpu", "adapters.preset=isolated",
+                             "adapters.rank=4", "train.micro_batch_size=3", "train.bf16=false"])  # fmt: skip
+    policy = build_policy(cfg, ["asker", "coder"])
+    for p in policy.trainable():
+        torch.nn.init.normal_(p, std=0.05)
+    problems = ["What is 6 * 7? " + "Think. " * 9, "What is 2 + 2? " + "Be brief. " * 4]
+    conversations, unit_of = [], []
+    for u, (problem, requests) in enumerate(
+        zip(problems, (["6*7", "42/1", "7*6"], ["2+2", "4*1"]), strict=True)
+    ):
+        conversations.append({"role": "asker", "messages": [{"role": "user", "content": problem},
+                                                             {"role": "assistant", "content": ANSWER_TEXT}]})  # fmt: skip
+        unit_of.append(u)
+        for r in requests:
+            user = {"role": "user", "content": f"Problem: {problem}\n\nRequest: compute {r}"}
+            conversations.append({"role": "coder", "messages": [user, {"role": "assistant", "content": f"<answer>{r}</answer>"}]})  # fmt: skip
+            unit_of.append(u)
+    tok = policy.tokenizer_of("asker")
+    turns = [t for c in conversations for t in demonstration_turns(tok, c, policy.route_of)]
+    parts = sft_module._parts(policy, turns, ["asker", "coder"], None)
+    rows = torch.tensor([6, 2, 0, 5, 1, 3, 4])  # the shuffle's order: both problems' calls interleaved
+    seen = []
+    real_loss = sft_module.sft_loss
+    monkeypatch.setattr(sft_module, "sft_loss", lambda m, b, *a: seen.append(b) or real_loss(m, b, *a))
+
+    grouped = step_grads(policy, parts, rows, cfg, 3, unit_of)
+    # asker rows (one per problem: by length), then problem 0's three coder calls, then problem 1's two
+    assert [b.roles for b in seen] == [["asker", "asker", "coder"], ["coder"] * 3, ["coder"]]
+    texts = [tok.decode(b.input_ids[i].tolist()) for b in seen for i in range(b.input_ids.shape[0])]
+    assert ["6 * 7" in t for t in texts[2:]] == [True] * 3 + [False] * 2
+    seen.clear()
+    whole = step_grads(policy, parts, rows, cfg, 7, unit_of)
+    for g, w in zip(grouped, whole, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
 def test_read_demonstrations_errors(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(
@@ -184,6 +255,11 @@ def test_read_demonstrations_errors(tmp_path):
         read_demonstrations(path)
     path.write_text(json.dumps({"messages": CONVERSATION["messages"]}) + "\n")
     assert read_demonstrations(path)[0]["role"] == "policy"
+    path.write_text("".join(json.dumps(dict(CONVERSATION, id=key)) + "\n" for key in ("a/1", 7)))
+    assert [row["id"] for row in read_demonstrations(path)] == ["a/1", "7"]
+    path.write_text(json.dumps(dict(CONVERSATION, id=True)) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: id must be a string or an integer .*; got True"):
+        read_demonstrations(path)
     with pytest.raises(ValueError, match="demonstration role 'judge' is not in the topology"):
         demonstration_turns(None, dict(CONVERSATION, role="judge"), dart_route_of())
 
