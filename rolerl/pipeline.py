@@ -5,7 +5,9 @@ finished stage leaves a marker, `root/stages/<name>.json` (its inputs, seconds a
 once the stage's own outputs are complete: a rerun skips every stage that has one, and a stage that was cut
 short runs again (each stage continues its own partial work where it can: evaluations their samples.jsonl,
 GRPO its newest checkpoint). A marker whose inputs differ from this run's is an error, not a silent reuse:
-the stage's outputs would not be what the flags ask for.
+the stage's outputs would not be what the flags ask for. A stage's seconds are its wall time over every run
+it took: one cut short (an exception, Ctrl-C, SIGTERM) leaves the time it ran in `<name>.partial.json`,
+which the run that finishes it adds to its own (a kill with no chance to write loses that run's).
 """
 
 from __future__ import annotations
@@ -52,14 +54,25 @@ class Pipeline:
             self.skipped.append(name)
             self.log(f"{head}: done already ({self.seconds[name]:.0f}s), skipped")
             return dict(done.get("summary") or {})
-        self.log(head)
+        partial = None if marker is None else marker.with_suffix(".partial.json")
+        before = json.loads(partial.read_text()) if partial is not None and partial.is_file() else {}
+        earlier, runs = float(before.get("seconds", 0.0)), int(before.get("runs", 0))
+        self.log(
+            head + (f" (continued: {earlier:.0f}s in {runs} earlier run{'s' * (runs != 1)})" if runs else "")
+        )
         t0 = time.perf_counter()
-        summary = dict(fn() or {})
-        self.seconds[name] = time.perf_counter() - t0
+        try:
+            summary = dict(fn() or {})
+        except BaseException:
+            if partial is not None:
+                write_json(partial, {"seconds": earlier + time.perf_counter() - t0, "runs": runs + 1})
+            raise
+        self.seconds[name] = earlier + time.perf_counter() - t0
         if marker is not None:
-            record = {"inputs": _jsonable(inputs), "seconds": self.seconds[name], "summary": summary,
-                      "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+            record = {"inputs": _jsonable(inputs), "seconds": self.seconds[name], "runs": runs + 1,
+                      "summary": summary, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
             write_json(marker, record)
+            partial.unlink(missing_ok=True)
         return summary
 
     def _check_inputs(self, name: str, before: dict[str, Any], now: dict[str, Any]) -> None:

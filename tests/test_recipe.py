@@ -262,8 +262,11 @@ def test_bad_input_is_one_clear_line_before_anything_runs(args, message, tmp_pat
     assert not out.exists(), "nothing was written"
 
 
-def test_pipeline_markers_skip_finished_stages_and_refuse_changed_inputs(tmp_path):
+def test_pipeline_markers_skip_finished_stages_and_refuse_changed_inputs(tmp_path, monkeypatch):
     calls: list[str] = []
+
+    def stage_interrupted():
+        raise KeyboardInterrupt
 
     def stage(name: str, fail: bool = False):
         def fn():
@@ -288,6 +291,23 @@ def test_pipeline_markers_skip_finished_stages_and_refuse_changed_inputs(tmp_pat
     )
     with pytest.raises(ValueError, match=r"stage 'a' finished with limit=2 \(now 3\)"):
         Pipeline(2, log.append, tmp_path).run("a", "first", stage("a"), {"limit": 3, "tags": ("x",)})
+    # a stage's seconds are those of every run it took, the cut-short ones too
+    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 21.5])
+    monkeypatch.setattr("rolerl.pipeline.time.perf_counter", lambda: next(clock))
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            Pipeline(1, log.append, tmp_path).run("c", "third", stage_interrupted)
+    assert json.loads((tmp_path / "stages" / "c.partial.json").read_text()) == {"seconds": 7.0, "runs": 2}
+    last = Pipeline(1, log.append, tmp_path)
+    assert last.run("c", "third", stage("c")) == {"value": 4} and last.seconds["c"] == 8.5
+    assert log[-1] == "1/1 third (continued: 7s in 2 earlier runs)"
+    marker = json.loads((tmp_path / "stages" / "c.json").read_text())
+    assert (
+        marker["seconds"] == 8.5
+        and marker["runs"] == 3
+        and not (tmp_path / "stages" / "c.partial.json").exists()
+    )
+    monkeypatch.undo()
     plain = Pipeline(1, log.append)  # no root: nothing is marked, every run runs
     plain.run("a", "first", stage("a"))
     plain.run("a", "first", stage("a"))
