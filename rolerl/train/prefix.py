@@ -85,6 +85,14 @@ def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int
     groups = _prefix_groups(prompts)
     if len(groups) == len(prompts):
         return None  # no two rows share enough: nothing to save
+    # the prompt pass pads every group to the longest shared prefix: a row alone runs no more of its prompt
+    # there (the rest of it goes with its own tokens)
+    p = max(n for rows, n in groups if len(rows) > 1)
+    groups = [(rows, n if len(rows) > 1 else min(n, p)) for rows, n in groups]
+    lengths = batch.attention_mask.sum(-1).tolist()
+    shared = len(groups) * p + sum(lengths[r] - n for rows, n in groups for r in rows)
+    if shared >= (sum(lengths) if _packable(model, batch.input_ids) else batch.input_ids.numel()):
+        return None  # the padded prompt pass would cost more positions than it saves
     device, b = batch.input_ids.device, len(prompts)
     prefix, group = [0] * b, [0] * b
     for g, (rows, n) in enumerate(sorted(groups, key=lambda grp: min(grp[0]))):  # numbered by first row
@@ -99,7 +107,7 @@ def _prefix_groups(prompts: list[list[tuple[int, int]]]) -> list[tuple[list[int]
     prefix` each. Sorted, rows that start alike are neighbours, so the best split is into runs of the
     sorted order, found exactly by dynamic programming (B is a micro-batch: a few dozen rows). A run's
     prefix is the shortest common start of its neighbours, at least `MIN_COMMON` positions unless it is
-    every one of their whole prompts. A row alone keeps its whole prompt."""
+    every one of their whole prompts. A row alone has its whole prompt as its prefix."""
     order = sorted(range(len(prompts)), key=lambda r: prompts[r])
     common = [_common_length(prompts[a], prompts[b]) for a, b in zip(order, order[1:], strict=False)]
     best = [0] * (len(order) + 1)  # best[j]: the most positions the first j sorted rows save

@@ -117,12 +117,17 @@ def test_different_prompts_share_their_common_start(arch, tokenizer):
     assert prompt_len.tolist() == [14] * 4 + [11] * 2 and firsts == [0, 4]
     assert prefix._plan(model, grouped_batch(route_of, groups=((14, 3), (11, 2)), system=10))[2] == [0]
     # a start routed differently on one row is not common past that position: that row (3 positions alike,
-    # below prefix.MIN_COMMON) keeps its whole prompt, the other three share their start
+    # below prefix.MIN_COMMON) is a group of its own, the other three share their start; the prompt pass
+    # runs 10 positions of each group (the lone row's other 6 go with its own tokens: no padding)
     batch.routes[2, 3] = 1 - int(batch.routes[2, 3])
     prompt_len, group, firsts = prefix._plan(model, batch)
-    assert prompt_len.tolist() == [10, 10, 16, 10] and group.tolist() == [0, 0, 1, 0] and firsts == [0, 2]
+    assert prompt_len.tolist() == [10, 10, 10, 10] and group.tolist() == [0, 0, 1, 0] and firsts == [0, 2]
     batch.routes[0, 5] = 1 - int(batch.routes[0, 5])  # rows 1 and 3 alike on 10 positions, row 0 on 5
-    assert prefix._plan(model, batch)[0].tolist() == [14, 10, 16, 10]
+    prompt_len, group, firsts = prefix._plan(model, batch)
+    assert prompt_len.tolist() == [10, 10, 10, 10] and group.tolist() == [0, 1, 2, 1] and firsts == [0, 1, 2]
+    shared, g_shared = logprobs_and_grads(model, batch, share=True)
+    plain, g_plain = logprobs_and_grads(model, batch, share=False)
+    torch.testing.assert_close(shared.logp, plain.logp, rtol=0, atol=1e-10)
     batch.routes[1, 7] = 1 - int(batch.routes[1, 7])  # and on 7
     assert prefix._plan(model, batch) is None  # every row alone: nothing to share
 
@@ -248,11 +253,15 @@ def test_no_sharing_when_it_cannot_help_or_cannot_be_masked(tokenizer):
     distinct = grouped_batch(route_of, groups=((4, 1), (6, 1), (5, 1)))
     assert prefix._plan(model, distinct) is None  # every prompt differs
     batch = grouped_batch(route_of)
-    # same prompt ids but a different adapter on one row's prompt: that row must not share
+    # same prompt ids but a different adapter on one row's prompt: that row must not share. Then sharing
+    # saves 5 + 9 positions, and the prompt pass pads 4 + 4 + 7 (every group to the 9-token prompt): none
     batch.routes[1, 0] = 1
+    assert prefix._plan(model, batch) is None
+    batch = grouped_batch(route_of, groups=((5, 4), (9, 2), (2, 1)))
+    batch.routes[1, 0] = 1  # with another row of the first prompt, 10 + 9 saved against 15 padded
     prompt_len, group, firsts = prefix._plan(model, batch)
-    assert group.tolist() == [0, 1, 0, 2, 2, 3] and firsts == [0, 1, 3, 5]
-    assert prompt_len.tolist() == [5, 5, 5, 9, 9, 2]
+    assert group.tolist() == [0, 1, 0, 0, 2, 2, 3] and firsts == [0, 1, 4, 6]
+    assert prompt_len.tolist() == [5, 5, 5, 5, 9, 9, 2]
     model.config._attn_implementation = "flash_attention_2"  # takes no 4D mask
     assert prefix._plan(model, batch) is None
 
