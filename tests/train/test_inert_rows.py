@@ -225,9 +225,12 @@ def test_a_run_that_skips_inert_rows_ends_where_running_them_ends(tmp_path):
     assert [r["update/inert_frac"] for r in every] == [0.0] * 3
     # half the groups scored alike, then all
     assert [r["update/inert_frac"] for r in skipped] == [0.5, 0.5, 1.0]
-    for a, b in zip(every, skipped, strict=True):
+    for step, (a, b) in enumerate(zip(every, skipped, strict=True)):
         assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
-        assert b["loss/total"] == pytest.approx(a["loss/total"], rel=1e-4, abs=1e-7)
+        # the first update's loss differs by rounding alone; later ones are taken on adapters that AdamW has
+        # already moved apart by ~1e-5 (below), which shifts this near-zero loss (~7e-4) by up to ~1e-7
+        # (1.5e-7 measured on an AVX2 EPYC, one thread)
+        assert b["loss/total"] == pytest.approx(a["loss/total"], rel=1e-4, abs=1e-7 if step == 0 else 1e-6)
     assert got.keys() == want.keys()
     # fp32, and the rows left share micro-batches in another order: AdamW turns that rounding into ~1e-5 on
     # these adapters (measured: 9e-6), where the third step skipped (no gradient) would leave them ~lr = 1e-2
