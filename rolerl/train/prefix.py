@@ -90,8 +90,12 @@ def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int
     p = max(n for rows, n in groups if len(rows) > 1)
     groups = [(rows, n if len(rows) > 1 else min(n, p)) for rows, n in groups]
     lengths = batch.attention_mask.sum(-1).tolist()
-    shared = len(groups) * p + sum(lengths[r] - n for rows, n in groups for r in rows)
-    if shared >= (sum(lengths) if _packable(model, batch.input_ids) else batch.input_ids.numel()):
+    own = [
+        lengths[r] - n for rows, n in groups for r in rows
+    ]  # the row pass: packed, or padded to the longest
+    packed = _packable(model, batch.input_ids)
+    shared = len(groups) * p + (sum(own) if packed else len(own) * max(own))
+    if shared >= (sum(lengths) if packed else batch.input_ids.numel()):
         return None  # the padded prompt pass would cost more positions than it saves
     device, b = batch.input_ids.device, len(prompts)
     prefix, group = [0] * b, [0] * b
