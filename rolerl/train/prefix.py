@@ -90,19 +90,19 @@ def _plan(model: nn.Module, batch: TrainBatch) -> tuple[Tensor, Tensor, list[int
     p = max(n for rows, n in groups if len(rows) > 1)
     groups = [(rows, n if len(rows) > 1 else min(n, p)) for rows, n in groups]
     lengths = batch.attention_mask.sum(-1).tolist()
-    own = [
-        lengths[r] - n for rows, n in groups for r in rows
-    ]  # the row pass: packed, or padded to the longest
+    # the row pass runs each row's own positions: packed, or padded to the longest
+    own = [lengths[r] - n for rows, n in groups for r in rows]
     packed = _packable(model, batch.input_ids)
     shared = len(groups) * p + (sum(own) if packed else len(own) * max(own))
     if shared >= (sum(lengths) if packed else batch.input_ids.numel()):
         return None  # the padded prompt pass would cost more positions than it saves
     device, b = batch.input_ids.device, len(prompts)
+    groups.sort(key=lambda grp: min(grp[0]))  # numbered by their first row
     prefix, group = [0] * b, [0] * b
-    for g, (rows, n) in enumerate(sorted(groups, key=lambda grp: min(grp[0]))):  # numbered by first row
+    for g, (rows, n) in enumerate(groups):
         for r in rows:
             prefix[r], group[r] = n, g
-    firsts = sorted(min(rows) for rows, _ in groups)
+    firsts = [min(rows) for rows, _ in groups]
     return torch.tensor(prefix, device=device), torch.tensor(group, device=device), firsts
 
 
@@ -115,22 +115,20 @@ def _prefix_groups(prompts: list[list[tuple[int, int]]]) -> list[tuple[list[int]
     order = sorted(range(len(prompts)), key=lambda r: prompts[r])
     common = [_common_length(prompts[a], prompts[b]) for a, b in zip(order, order[1:], strict=False)]
     best = [0] * (len(order) + 1)  # best[j]: the most positions the first j sorted rows save
-    cut = [0] * (len(order) + 1)  # where best[j]'s last run starts
+    last = [(0, 0)] * (len(order) + 1)  # best[j]'s last run: where it starts, its prefix
     for j in range(1, len(order) + 1):
-        best[j], cut[j] = best[j - 1], j - 1  # row j - 1 alone
-        n, longest = len(prompts[order[j - 1]]), len(prompts[order[j - 1]])
+        n = longest = len(prompts[order[j - 1]])
+        best[j], last[j] = best[j - 1], (j - 1, n)  # row j - 1 alone
         for i in range(j - 2, -1, -1):  # runs [i, j): the longest of equal savings wins (fewer groups)
             n, longest = min(n, common[i]), max(longest, len(prompts[order[i]]))
             if n < MIN_COMMON and longest > n:  # short and not the whole prompt: nor will a longer run be
                 break
             if best[i] + (j - 1 - i) * n >= best[j]:
-                best[j], cut[j] = best[i] + (j - 1 - i) * n, i
+                best[j], last[j] = best[i] + (j - 1 - i) * n, (i, n)
     groups, j = [], len(order)
     while j > 0:
-        i = cut[j]
-        rows = [order[k] for k in range(i, j)]
-        n = len(prompts[rows[0]]) if len(rows) == 1 else min(common[i : j - 1])
-        groups.append((rows, n))
+        i, n = last[j]
+        groups.append(([order[k] for k in range(i, j)], n))
         j = i
     return groups
 

@@ -467,8 +467,8 @@ def step_rows(
     return out
 
 
-def _grouped(batch: TrainBatch, rows: list[int], unit_of: Sequence[int]) -> list[int]:
-    """A step's rows by role, then demonstration (`unit_of`, by row of `batch`), then length: a
+def _grouped(batch: TrainBatch, rows: list[int], unit_of: Mapping[int, int]) -> list[int]:
+    """A step's rows by role, then demonstration (`unit_of`, by the step's rows of `batch`), then length: a
     demonstration's calls of one role sit side by side, so a micro-batch runs the prompt start they share
     (system prompt and problem) once (`share_prefix`); rows whose demonstration has no other call of their
     role pad to rows of like length and share their role's system prompt. The step's gradient is the sum
@@ -490,7 +490,8 @@ def _imitation_step(
         where = {r: i for i, r in enumerate(mine)}
         local = [where[r] for r in rows.tolist() if r in where]
         if local:
-            units = mine if unit_of is None else [unit_of[r] for r in mine]
+            # each of the step's rows' demonstration (its own turn index where none are given)
+            units = {i: mine[i] if unit_of is None else unit_of[mine[i]] for i in local}
             chosen.append((model, select_rows(batch, _grouped(batch, local, units))))
     norm = AggNorm.of(*[b.loss_mask for _, b in chosen])
     loss = 0.0
