@@ -164,7 +164,8 @@ def _configure_recipe(p: argparse.ArgumentParser) -> None:
                         "base/warm evaluations are copied, not rerun): a second --seed of an RL arm costs only "
                         "the RL and its evaluation. Its flags must match this run's but --seed, --steps and the "
                         "--set entries only GRPO reads (train.tasks_per_step, rollout.n/temperature/top_p, "
-                        "optim.lr, task.max_difficulty, algorithm.*); --topology too where DIR's warm start has one "
+                        "optim.lr, task.max_difficulty, algorithm.*, MSARL's task.workflow_options.coder_samples and "
+                        "sibling_groups); --topology too where DIR's warm start has one "
                         "adapter (shared): each adapter of this run's topology (dart: reason, tool) starts from "
                         "it")  # fmt: skip
     p.add_argument("--pass-k", type=int, default=None, metavar="N",

@@ -99,9 +99,11 @@ class RecipeSettings:
 
 
 # the --set keys only GRPO reads (the demonstrations, SFT and the greedy evaluations never do): a run may
-# change them and still share a warm start (--warm-from, or a rerun of its own directory)
+# change them and still share a warm start (--warm-from, or a rerun of its own directory). MSARL's coder
+# siblings are sampling only: a greedy evaluation makes one coder call a request whatever coder_samples says
 RL_ONLY = ("train.steps", "train.tasks_per_step", "rollout.n", "rollout.temperature", "rollout.top_p",
-           "optim.lr", "task.max_difficulty", "task.split", "algorithm.")  # fmt: skip
+           "optim.lr", "task.max_difficulty", "task.split", "algorithm.",
+           "task.workflow_options.coder_samples", "task.workflow_options.sibling_groups")  # fmt: skip
 EVAL_DIRS = ("base", "warm", "rl", "warm-sampled", "rl-sampled")  # the evaluations, under OUT/eval/
 WARM_STAGES = ("demos", "eval-base", "sft", "eval-warm")  # what --warm-from takes from another run
 WARM_OUTPUTS = ("demos.jsonl", "base", "sft", "eval/base", "eval/warm")
