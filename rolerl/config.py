@@ -221,6 +221,11 @@ class RolloutConfig(Section):
     # with the attention's per norm, where torch runs eight small ops; torch = HF's modules; auto = native
     # where it builds. docs/ROLLOUT.md
     pointwise: Literal["auto", "native", "torch"] = "auto"
+    # positions of finished calls' keys and values the built-in engine keeps, so that a call continuing one
+    # (a multi-turn workflow's next turn) or starting as one did (a role's system prompt and problem) feeds
+    # only what is new; 0 = none. Memory: up to this many positions of the KV cache (the default model: 46 KB
+    # a position in fp32, so ~1.5 GB at most); dropped between steps. docs/ROLLOUT.md
+    prefix_cache: int = 32768
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs, dtype (auto | float32 | bfloat16 | float16;
     # auto = the model's, bfloat16 for an fp32 model on a GPU); url (a vLLM server instead of an engine in this
@@ -235,6 +240,7 @@ class RolloutConfig(Section):
         self.require(self.max_batch >= 1, "max_batch", "an integer >= 1")
         self.require(self.max_len is None or self.max_len >= 2, "max_len", "null or an integer >= 2")
         self.require(self.max_tool_calls >= 0, "max_tool_calls", "an integer >= 0")
+        self.require(self.prefix_cache >= 0, "prefix_cache", "an integer >= 0 (positions; 0 = off)")
         unknown = sorted(set(self.vllm) - set(VLLM_OPTIONS))
         self.require(not unknown, "vllm", f"a mapping with keys among {list(VLLM_OPTIONS)} (got {unknown})")
         self.require(

@@ -117,6 +117,7 @@ def run_demo(settings: DemoSettings, log=print) -> dict[str, Any]:
         adapter_kernel=cfg.rollout.adapter_kernel,
         tied_head=cfg.rollout.tied_head,
         pointwise=cfg.rollout.pointwise,
+        prefix_cache=cfg.rollout.prefix_cache,
     )
     held_out = {
         "format": fmt.examples("test", settings.eval_format, settings.seed),

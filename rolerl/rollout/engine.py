@@ -34,7 +34,7 @@ from rolerl.models.lora import named_adapter_parameters
 from rolerl.models.lora import routes as routes_ctx
 from rolerl.roles import PROMPT, TOOL_OUTPUT, token_bytes
 from rolerl.rollout.decoder import LeanDecoder, lean_support
-from rolerl.rollout.kv import KVCache, attention_shape, engine_forward, make_batch, make_layout
+from rolerl.rollout.kv import KVCache, PrefixStore, attention_shape, engine_forward, make_batch, make_layout
 from rolerl.rollout.native import resolve_adapter_kernel, resolve_attention, resolve_pointwise
 from rolerl.rollout.packed import PACKED, PackedLinears, checked_tied_head, resolve_kernels
 from rolerl.rollout.recorder import AdapterVersion, GenerationRequest, Recorder, run_tool
@@ -59,6 +59,8 @@ class _Row(Recorder):
         self.pending: list[int] = list(req.prompt_ids)
         self.pending_routes = [self.route(PROMPT)] * (len(self.pending) - 1) + [self.next_route()]
         self.cache_len = 0
+        # (kept row, positions) its cache started from (`PrefixStore`)
+        self.seed: tuple[int, int] | None = None
         self.future: Future | None = None
         self.call_started = 0.0
 
@@ -84,6 +86,7 @@ class Engine:
         tied_head: str = "share",
         pointwise: str = "auto",
         owns_model: bool | None = None,
+        prefix_cache: int = 32768,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
         `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`
@@ -100,7 +103,9 @@ class Engine:
         (`share`) or on a packed copy of it (`copy`: faster on some CPUs, the matrix held twice).
         `pointwise`: the residual adds and RMSNorms of the engine's own decoder in C (`native`) or torch's ops.
         `owns_model` (default: True with a `source`): nothing but this engine runs `model`, so
-        with packed kernels its plain linear weights are freed (the packed copies replace them)."""
+        with packed kernels its plain linear weights are freed (the packed copies replace them).
+        `prefix_cache`: positions of finished rows' keys and values kept for requests that continue them
+        (`PrefixStore`; 0 = none), dropped whenever the weights change."""
         self.model, self.tokenizer = model, tokenizer
         self.source = source
         self.sampler = Sampler() if sampler is None else sampler
@@ -160,6 +165,8 @@ class Engine:
         )
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.cache: KVCache | None = None
+        self.kept = PrefixStore(prefix_cache) if prefix_cache > 0 else None
+        self._kept_weights: tuple = ()  # `_weights_version()` when the kept rows were computed
         self.active: list[_Row] = []  # row i lives in cache slot i
         # route index -> the version of that adapter in the weights sampled from (each token records its
         # own: `Turn.versions`); set by the trainer (`rolerl.train.pipeline`), empty = every version 0
@@ -170,7 +177,7 @@ class Engine:
         self.waiting: deque[_Row] = deque()
         self._next_handle = 0
         self.stats = {"forward_s": 0.0, "sample_s": 0.0, "steps": 0, "decode_rows": 0, "tool_calls": 0,
-                      "switches": 0}  # fmt: skip
+                      "switches": 0, "kept_hits": 0, "kept_positions": 0}  # fmt: skip
 
     def _lean_kernel(self, kernel, setting: str, field: str, instead: str):
         """`kernel` (a native kernel for the engine's own decoder, resolved from `rollout.<field>`) where that
@@ -277,6 +284,8 @@ class Engine:
         if self.has_work:
             raise RuntimeError("engine.sleep() with requests in flight")
         self.cache = None
+        if self.kept is not None:
+            self.kept.clear()
         if isinstance(self.sampler, Sampler):
             self.sampler.release()
         self._drop_packed()
@@ -320,6 +329,8 @@ class Engine:
         self.stats["switches"] += bool(recomputed)
 
     def close(self) -> None:
+        if self.kept is not None:
+            self.kept.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -358,6 +369,33 @@ class Engine:
         self._ensure_cache(len(self.active) + joining, need)
         for _ in range(joining):
             self.active.append(self.waiting.popleft())
+        if self.kept is not None and self.kept.entries:
+            self._reuse_kept(range(len(self.active) - joining, len(self.active)))
+
+    def _reuse_kept(self, indices: range) -> None:
+        """The joining rows `indices` whose prompt starts as a kept row did (`PrefixStore`) copy those
+        positions' keys and values and feed only the rest. A row sharing nothing keeps its whole prompt
+        (identical and alike prompts are then shared by `_extend`)."""
+        if self._kept_weights != self._weights_version():  # in place since the rows were kept: stale
+            self.kept.clear()
+            return
+        for i in indices:
+            row = self.active[i]
+            found = self.kept.match(row.pending, row.pending_routes, len(row.pending) - 1)
+            if found is None:
+                continue
+            key, n = found
+            self.kept.load(key, n, self.cache, i)
+            row.fed_routes, row.cache_len, row.seed = row.pending_routes[:n], n, (key, n)
+            row.pending, row.pending_routes = row.pending[n:], row.pending_routes[n:]
+            self.stats["kept_hits"] += 1
+            self.stats["kept_positions"] += n
+
+    def _weights_version(self) -> tuple[tuple[int, int, int], ...]:
+        """What identifies the weights' values: each parameter's object, storage and in-place version
+        counter (which every in-place change bumps: an optimizer step, `sync`'s copies, a state dict
+        loaded), so kept keys and values computed before any change are known stale."""
+        return tuple((id(p), p.data_ptr(), p._version) for p in self.model.parameters())
 
     def _ensure_cache(self, rows: int, need: int) -> None:
         """Room for `rows` rows (the active ones first, in their slots) of up to `need` positions each."""
@@ -399,7 +437,12 @@ class Engine:
         computed, copies = [], []
         for i in indices:
             row = self.active[i]
-            key = (tuple(row.pending), tuple(row.pending_routes)) if row.cache_len == 0 else (i,)
+            if row.cache_len == 0:
+                key = (tuple(row.pending), tuple(row.pending_routes))
+            elif row.seed is not None and row.cache_len == row.seed[1]:  # a kept start, nothing fed since
+                key = (row.seed, tuple(row.pending), tuple(row.pending_routes))
+            else:
+                key = (i,)
             if key in first:
                 copies.append((first[key], i))
             else:
@@ -574,6 +617,8 @@ class Engine:
                 i += 1
                 continue
             out.append((row.handle, row.turn(row.fed_routes)))
+            if self.kept is not None:
+                self._keep(i, row)
             last = len(self.active) - 1
             if i != last:  # keep slots 0..n-1 dense: the last row moves into the freed slot
                 moved = self.active[last]
@@ -581,6 +626,18 @@ class Engine:
                 self.active[i] = moved
             self.active.pop()
         return out
+
+    def _keep(self, i: int, row: _Row) -> None:
+        """Keep finished row `i`'s fed positions for a request that continues it. The kept row it continued
+        in full is dropped: this one holds all of it."""
+        version = self._weights_version()
+        if version != self._kept_weights:
+            self.kept.clear()
+            self._kept_weights = version
+        key, n = row.seed or (None, 0)
+        if key in self.kept.entries and n == self.kept.length(key):
+            self.kept.drop(key)
+        self.kept.put(self.cache, i, row.ids[: row.cache_len], row.fed_routes)
 
 
 def _model_max_len(model) -> int:

@@ -71,7 +71,8 @@ def build_engines(
                                tools=build_tools(names, **kwargs), source=source,
                                kernels=cfg.rollout.kernels, attention=cfg.rollout.attention,
                                adapter_kernel=cfg.rollout.adapter_kernel,
-                               tied_head=cfg.rollout.tied_head, pointwise=cfg.rollout.pointwise)  # fmt: skip
+                               tied_head=cfg.rollout.tied_head, pointwise=cfg.rollout.pointwise,
+                               prefix_cache=cfg.rollout.prefix_cache)  # fmt: skip
     return engines
 
 

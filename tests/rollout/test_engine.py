@@ -482,6 +482,95 @@ def test_prompts_that_start_alike_prefill_the_start_once_and_equal_solo(tiny):
         assert turn.routes[: len(req.prompt_ids)] == solo.generate([req])[0].routes[: len(req.prompt_ids)]
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # the engine's own decoder, HF's forward
+def test_a_call_continuing_a_finished_one_feeds_only_what_is_new(tiny, kernels):
+    """A multi-turn workflow's next call (the turn's exact ids, then a new message) copies the finished
+    row's keys and values (`PrefixStore`) and computes only the message: MSARL's reasoner once prefilled its
+    whole conversation at every turn. A call under other routes shares nothing; a fresh prompt behind the
+    same system prompt shares that; every call equals a run without the store; weights changed in place
+    since make every kept row stale."""
+    model, tok = tiny
+    rolerl.add_adapters(model, ["a", "b"], rank=4)
+    randomize_adapters(model, seed=3, std=0.1)
+    a, b = dict.fromkeys(ALL_KINDS, 0), dict.fromkeys(ALL_KINDS, 1)
+    system = prompt_ids(tok, "You are a careful assistant. Solve the problem, then put the answer in tags.")
+    firsts = [system + prompt_ids(tok, q) for q in (" What is 12 times 7?", " Name a prime above 40.")]
+    sampling = [SamplingParams(seed=i, max_new_tokens=10) for i in range(4)]
+    engine, plain = (Engine(model, tok, max_batch=8, kernels=kernels, prefix_cache=n) for n in (32768, 0))
+    first = engine.generate([GenerationRequest(p, sampling[i], route_of=a) for i, p in enumerate(firsts)])
+    assert engine.stats["kept_hits"] == 0 and len(engine.kept.entries) == 2
+    result = prompt_ids(tok, " Result: 84. Go on.")
+    fresh = system + prompt_ids(tok, " Spell cat.")
+    reqs = [GenerationRequest(t.prompt_ids + t.completion_ids + result, sampling[i], route_of=a)
+            for i, t in enumerate(first)]  # fmt: skip
+    reqs.append(GenerationRequest(reqs[0].prompt_ids, sampling[2], route_of=b))  # other routes: nothing kept
+    reqs.append(GenerationRequest(fresh, sampling[3], route_of=a))
+    widths = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, x: widths.append(x[0].numel()))
+    try:
+        turns = engine.generate(reqs)
+    finally:
+        hook.remove()
+    # each continuation reuses every position its turn fed (all but the last sampled token), the fresh
+    # prompt the start it shares with them (the system prompt and more: a kept row's longest match)
+    fed = [len(t.prompt_ids) + len(t.completion_ids) - 1 for t in first]
+    shared = max(common_start(fresh, p) for p in firsts)
+    assert shared >= len(system)
+    assert engine.stats["kept_hits"] == 3 and engine.stats["kept_positions"] == sum(fed) + shared
+    if engine.lean is not None:  # flat forwards: real tokens only, so the first forward is the new tokens
+        new = [len(r.prompt_ids) - n for r, n in zip(reqs, [*fed, 0, shared], strict=True)]
+        assert widths[0] == sum(new)
+    for req, turn in zip(reqs, turns, strict=True):
+        assert assert_same_or_near_tie(model, req, plain.generate([req])[0], turn) is None
+    assert plain.stats["kept_hits"] == 0 and plain.kept is None
+    # the continued rows are dropped (their continuations hold all of them): 6 finished calls, 4 kept...
+    assert len(engine.kept.entries) == 6 - 2
+    lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():  # ... until the adapters change in place (an optimizer step): all stale
+        lora_b.add_(0.05)
+    again = engine.generate([reqs[0]])
+    assert engine.stats["kept_hits"] == 3 and len(engine.kept.entries) == 1
+    assert assert_same_or_near_tie(model, reqs[0], plain.generate([reqs[0]])[0], again[0]) is None
+    lora_b.data = lora_b.data * 1.5  # new storage, no in-place version bump: stale too
+    again = engine.generate([reqs[0]])
+    assert engine.stats["kept_hits"] == 3 and len(engine.kept.entries) == 1
+    assert assert_same_or_near_tie(model, reqs[0], plain.generate([reqs[0]])[0], again[0]) is None
+
+
+def test_the_prefix_store_keeps_the_longest_matching_start_within_its_budget():
+    """`PrefixStore` by hand: the longest start shared in ids and routes wins (the newest of equals), a
+    match never takes the position the request must feed, short starts are not worth it, and the least
+    recently used rows go first once more than the budget is kept."""
+    from transformers import LlamaConfig
+
+    from rolerl.rollout.kv import MIN_KEPT, KVCache, PrefixStore
+
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2)
+    cache = KVCache(config, slots=2, capacity=40, dtype=torch.float32, device="cpu")
+    cache.reach(40)
+    for layer in (*cache.k, *cache.v):
+        layer.copy_(torch.randn_like(layer))
+    store = PrefixStore(budget=50)
+    row = list(range(100, 120))
+    store.put(cache, 0, row, [0] * 20)  # entry 0
+    store.put(cache, 1, row[:12] + [7] * 8, [0] * 20)  # entry 1: the first 12 alike
+    assert store.positions == 40
+    assert store.match(row + [1, 2], [0] * 22, limit=21) == (0, 20)
+    assert store.match(row, [0] * 20, limit=19) == (0, 19)  # the last position is the request's to feed
+    assert store.match(row[:12] + [5], [0] * 13, limit=12) == (1, 12)  # equals: the newest
+    assert store.match(row, [0] * 10 + [1] * 10, limit=19) == (1, 10)  # routes differ from position 10
+    assert store.match(row[: MIN_KEPT - 1] + [9] * 5, [0] * 12, limit=11) is None
+    assert store.match(row, [1] * 20, limit=19) is None
+    fresh = KVCache(config, slots=1, capacity=40, dtype=torch.float32, device="cpu")
+    store.load(1, 15, fresh, 0)  # entry 1 is now the most recently used
+    for mine, theirs in ((fresh.k, cache.k), (fresh.v, cache.v)):
+        assert all(torch.equal(m[0, :, :15], t[1, :, :15]) for m, t in zip(mine, theirs, strict=True))
+    store.put(cache, 0, row[:15], [0] * 15)  # entry 2: 55 positions kept > 50, so entry 0 goes
+    assert list(store.entries) == [1, 2] and store.positions == 35
+    store.put(cache, 0, [3] * (MIN_KEPT - 1), [0] * (MIN_KEPT - 1))  # too short to keep
+    assert list(store.entries) == [1, 2]
+
+
 def test_bad_requests_are_rejected(tiny):
     model, tok = tiny
     engine = Engine(model, tok)
