@@ -125,10 +125,13 @@ class PrefixStore:
         ids, routes = tuple(ids[:limit]), tuple(routes[:limit])
         best, length = None, MIN_KEPT - 1
         for key in reversed(self.entries):
-            kept = self.entries[key]
+            kept, m = self.entries[key], length + 1
+            if m > len(ids):
+                break
+            if kept.ids[:m] != ids[:m] or kept.routes[:m] != routes[:m]:
+                continue  # cannot share more than the best so far: one comparison, not a search
             n = _common(kept.ids, ids, _common(kept.routes, routes, min(len(kept.ids), len(ids))))
-            if n > length:
-                best, length = key, n
+            best, length = key, n
         return None if best is None else (best, length)
 
     def load(self, key: int, n: int, cache: KVCache, slot: int) -> None:
