@@ -71,7 +71,7 @@ def main() -> None:
         def update(self, *_):
             pass
 
-    arms = {"off": 0, "on": cfg.rollout.prefix_cache or 32768}
+    arms = {"off": 0, "on": cfg.rollout.prefix_cache or 32768}  # the recipe config sets 32768
     walls: dict[str, list[float]] = {a: [] for a in arms}
     seen: dict[str, dict] = {}
     for r in range(args.rounds):

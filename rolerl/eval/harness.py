@@ -324,6 +324,23 @@ def spec_examples(task: Task, spec: EvalSpec) -> list[Example]:
     return examples
 
 
+def newest_adapters(run: Path, found: Sequence[tuple[int, Path]]) -> tuple[int | str | None, str | None]:
+    """`(step, directory)` of a run's newest adapters: its final `adapters/` where they were written after its
+    newest checkpoint (a finished `rolerl sft`, whose last steps follow its last checkpoint), else that
+    checkpoint's (a finished `rolerl train` checkpoints its last step; a run cut short or extended since has
+    newer checkpoints than any final adapters). `step` is "final" for the final adapters."""
+
+    def written(directory: Path) -> float:
+        return max((f.stat().st_mtime for f in directory.rglob("*") if f.is_file()), default=-1.0)
+
+    final = run / "adapters"
+    if final.is_dir() and (not found or written(final) >= written(found[-1][1] / "adapters")):
+        return "final", str(final)
+    if found:
+        return found[-1][0], str(found[-1][1] / "adapters")
+    return None, None
+
+
 def spec_policy(spec: EvalSpec, roles: Sequence[str]):
     """The policy to evaluate, its config, and what identifies it (model, adapters, checkpoint)."""
     from rolerl.config import load_config
@@ -335,8 +352,8 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         run = Path(spec.run)
         cfg = load_config(run / "config.yaml", ["model.device=cpu"] if not _cuda() else [])
         found = checkpoints(run)
-        init = str(found[-1][1] / "adapters") if found else str(run / "adapters")
-        if not Path(init).is_dir():
+        step, init = newest_adapters(run, found)
+        if init is None:
             raise FileNotFoundError(f"--run {run}: no checkpoints/step_N/adapters and no adapters/ directory")
         # the run's own adapters, by their names (its init_from named the warm start's)
         adapters = dataclasses.replace(cfg.adapters, init=init, init_from={})
@@ -348,7 +365,7 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
             "model": cfg.model.spec,
             "run": str(run),
             "adapters": init,
-            "step": found[-1][0] if found else None,
+            "step": step,
         }
     else:
         overrides = [

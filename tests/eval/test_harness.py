@@ -175,3 +175,29 @@ def test_eval_on_the_default_model_and_a_benchmark_resumes_exactly(tmp_path, sha
 def test_tool_none_runs_no_tool_even_where_the_workflow_has_one():
     with pytest.raises(ValueError, match="the tir workflow needs a tool"):
         run_eval(EvalSpec(**BASE, workflow="tir", tool="none"), log_line=lambda _: None)
+
+
+def test_a_finished_imitation_is_evaluated_with_its_final_adapters(tmp_path):
+    """`--run` of a finished `rolerl sft` (570 steps, checkpoints every 25) evaluates its final adapters,
+    written after its last checkpoint (step 550): the recipes' warm-start evaluations once measured that
+    checkpoint while GRPO started from the final adapters. A run with checkpoints newer than its adapters
+    (resumed or extended since) evaluates its newest checkpoint; one with checkpoints only, that."""
+    import os
+
+    from rolerl.eval.harness import newest_adapters
+    from rolerl.run.layout import checkpoints
+
+    def write(directory, when):
+        (directory / "policy").mkdir(parents=True)
+        (directory / "policy" / "adapter_model.safetensors").write_bytes(b"x")
+        os.utime(directory / "policy" / "adapter_model.safetensors", (when, when))
+
+    run = tmp_path / "sft"
+    write(run / "checkpoints" / "step_525" / "adapters", 1000)
+    write(run / "checkpoints" / "step_550" / "adapters", 2000)
+    assert newest_adapters(run, checkpoints(run)) == (550, str(run / "checkpoints" / "step_550" / "adapters"))
+    write(run / "adapters", 3000)  # the run finished: its last 20 steps are in these alone
+    assert newest_adapters(run, checkpoints(run)) == ("final", str(run / "adapters"))
+    write(run / "checkpoints" / "step_575" / "adapters", 4000)  # extended by a resumed run since
+    assert newest_adapters(run, checkpoints(run)) == (575, str(run / "checkpoints" / "step_575" / "adapters"))
+    assert newest_adapters(tmp_path / "empty", []) == (None, None)
