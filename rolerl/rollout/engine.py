@@ -376,9 +376,7 @@ class Engine:
         """The joining rows `indices` whose prompt starts as a kept row did (`PrefixStore`) copy those
         positions' keys and values and feed only the rest. A row sharing nothing keeps its whole prompt
         (identical and alike prompts are then shared by `_extend`)."""
-        if self._kept_weights != self._weights_version():  # in place since the rows were kept: stale
-            self.kept.clear()
-            return
+        self._drop_stale_kept()
         for i in indices:
             row = self.active[i]
             found = self.kept.match(row.pending, row.pending_routes, len(row.pending) - 1)
@@ -390,6 +388,13 @@ class Engine:
             row.pending, row.pending_routes = row.pending[n:], row.pending_routes[n:]
             self.stats["kept_hits"] += 1
             self.stats["kept_positions"] += n
+
+    def _drop_stale_kept(self) -> None:
+        """Empty the store where the weights changed since its rows were kept; they are current from now."""
+        version = self._weights_version()
+        if version != self._kept_weights:
+            self.kept.clear()
+            self._kept_weights = version
 
     def _weights_version(self) -> tuple[tuple[int, int, int], ...]:
         """What identifies the weights' values: each parameter's object, storage and in-place version
@@ -618,6 +623,8 @@ class Engine:
                 continue
             out.append((row.handle, row.turn(row.fed_routes)))
             if self.kept is not None:
+                if len(out) == 1:  # the weights' identity once a step, not once a finished row
+                    self._drop_stale_kept()
                 self._keep(i, row)
             last = len(self.active) - 1
             if i != last:  # keep slots 0..n-1 dense: the last row moves into the freed slot
@@ -630,10 +637,6 @@ class Engine:
     def _keep(self, i: int, row: _Row) -> None:
         """Keep finished row `i`'s fed positions for a request that continues it. The kept row it continued
         in full is dropped: this one holds all of it."""
-        version = self._weights_version()
-        if version != self._kept_weights:
-            self.kept.clear()
-            self._kept_weights = version
         key, n = row.seed or (None, 0)
         if key in self.kept.entries and n == self.kept.length(key):
             self.kept.drop(key)
