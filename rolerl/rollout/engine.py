@@ -328,6 +328,15 @@ class Engine:
                 recomputed += 1
         self.stats["switches"] += bool(recomputed)
 
+    def forget_kept(self) -> None:
+        """Empty the prefix store (`prefix_cache`). `LockstepBackend` calls it as each rollout (a step's or
+        an evaluation chunk's episodes) begins: its calls then continue only calls of the same rollout, so it
+        samples the same tokens whatever the engine ran before (a resumed run, an evaluation continued from
+        its kept chunks). A reused prefix's keys and values were computed in another batch than a prefill of
+        them would be, equal up to the kernels' rounding, not bit for bit."""
+        if self.kept is not None:
+            self.kept.clear()
+
     def close(self) -> None:
         if self.kept is not None:
             self.kept.clear()

@@ -58,6 +58,9 @@ class LockstepBackend:
     async def episode(self, coro: Awaitable[T]) -> T:
         """Run one episode's coroutine; the engine waits for it whenever it is not waiting on the engine."""
         ep = next(self._ids)
+        if not self._outstanding:  # the first episode of a rollout: it shares kept prefixes with its own only
+            for engine in self.engines.values():
+                engine.forget_kept()
         self._outstanding[ep], self._calls[ep] = 0, 0
         token = _EPISODE.set(ep)
         self._ensure_pump()

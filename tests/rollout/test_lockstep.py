@@ -130,3 +130,37 @@ def test_a_pump_that_fails_fails_its_waiting_calls(tiny, monkeypatch):
     with pytest.raises(RuntimeError, match="pump bug"):
         asyncio.run(asyncio.wait_for(main(), timeout=10))  # failed, not left waiting forever
     backend.close()
+
+
+def test_a_rollout_with_the_prefix_store_samples_the_same_whatever_ran_before(tiny):
+    """Each rollout starts with an empty prefix store (`Engine.forget_kept`): its calls continue only calls
+    of the same rollout, so a resumed run, or an evaluation continued from its kept chunks, samples what the
+    uninterrupted one did. A reused prefix's keys and values come from another batch than a prefill of
+    them, equal only up to rounding: without the reset the second rollout would reuse the first's rows."""
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=4, prefix_cache=32768)
+    backend = LockstepBackend(engine)
+
+    async def episode(i: int):
+        first = await backend.generate(
+            GenerationRequest([*range(5, 15), 20 + i], SamplingParams(seed=i, max_new_tokens=4))
+        )
+        turn = first.prompt_ids + first.completion_ids + [8, 9]  # the next call continues the first
+        second = await backend.generate(
+            GenerationRequest(turn, SamplingParams(seed=10 + i, max_new_tokens=4))
+        )
+        return first.completion_ids, first.logprobs, second.completion_ids, second.logprobs
+
+    async def rollout():
+        return await asyncio.gather(*(backend.episode(episode(i)) for i in range(3)))
+
+    try:
+        runs, hits = [], []
+        for _ in range(2):
+            before = engine.stats["kept_hits"]
+            runs.append(asyncio.run(rollout()))
+            hits.append(engine.stats["kept_hits"] - before)
+    finally:
+        backend.close()
+    assert hits == [3, 3]  # each second call continues its own first call, and nothing else is kept
+    assert runs[0] == runs[1]  # the same batches, the same history: the same floats
