@@ -223,9 +223,9 @@ class RolloutConfig(Section):
     pointwise: Literal["auto", "native", "torch"] = "auto"
     # positions of finished calls' keys and values the built-in engine keeps, so that a call continuing one
     # (a multi-turn workflow's next turn) or starting as one did (a role's system prompt and problem) feeds
-    # only what is new; 0 = none (the default until it is checked with asynchronous training and partial
-    # rollouts; gsm8k-msarl sets 32768). Memory: up to this many positions of the KV cache (the default model:
-    # 46 KB a position in fp32, so ~1.5 GB at 32768); dropped between steps. docs/ROLLOUT.md
+    # only what is new; 0 = none, the default (memory beside the KV cache; gsm8k-msarl sets 32768). Memory: up
+    # to this many positions of the KV cache (the default model: 46 KB a position in fp32, so ~1.5 GB at
+    # 32768); emptied as each rollout begins and whenever the weights change. docs/ROLLOUT.md
     prefix_cache: int = 0
     # rollout.backend=vllm: gpu_memory_utilization (0.5: the trainer shares the GPU), max_loras, max_lora_rank,
     # logprobs (processed | recompute), enforce_eager, max_num_seqs, dtype (auto | float32 | bfloat16 | float16;
