@@ -338,8 +338,7 @@ class Engine:
             self.kept.clear()
 
     def close(self) -> None:
-        if self.kept is not None:
-            self.kept.clear()
+        self.forget_kept()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
