@@ -354,7 +354,9 @@ class TrainConfig(Section):
     # (verl's update per role: a role with k times the calls fills k times the mini-batches)
     mini_batch_by: Literal["batch", "role"] = "batch"
     ppo_epochs: int = 1  # passes over each step's batch
-    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate (exactly)
+    # sequences per forward/backward; gradients accumulate (exactly). With share_prefix, a call that a later
+    # call of its conversation continues runs inside that one and is not counted
+    micro_batch_size: int = 8
     # bf16 autocast for the training forward; auto = on where bf16 is native (GPU, or a CPU with AVX512-BF16
     # or AMX; rolerl.hardware), off elsewhere (emulated bf16 is ~45x slower than fp32 on an AVX2 CPU)
     bf16: bool | Literal["auto"] = "auto"
@@ -362,7 +364,8 @@ class TrainConfig(Section):
     # (the largest block the kept heap serves: 170 at a 49,152-token vocabulary), 512 on GPUs
     logprob_chunk: int | Literal["auto"] = "auto"
     # compute a prompt shared by several rows (a GRPO group), or a start rows' prompts share (a system
-    # prompt, a problem), once per micro-batch (RL and imitation)
+    # prompt, a problem), once per micro-batch (RL and imitation), and a row that another row starts with (a
+    # conversation's call, which its next call continues) inside that row; RL keeps those rows together
     share_prefix: bool = True
     # rows whose loss is zero at every token (zero advantage, e.g. a GRPO group whose samples all scored alike,
     # and no KL or entropy term for their role) run no forward or backward in the update: the same gradient

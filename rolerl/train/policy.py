@@ -23,7 +23,7 @@ from rolerl.models.attention import (
     register_grouped_sdpa,
     register_lean_eager,
 )
-from rolerl.train.prefix import hidden_at
+from rolerl.train.prefix import carriers, hidden_at
 from rolerl.types import TrainBatch
 
 
@@ -55,8 +55,12 @@ def token_logprobs(
     """
     keep = batch.loss_mask[:, :-1].bool()  # (B, T-1): positions whose next token is trained
     keep = torch.cat([keep, torch.zeros_like(keep[:, :1])], 1)  # (B, T): the last position predicts nothing
+    mask = keep[:, :-1]
     head = model.get_output_embeddings()
     route = batch.routes if routes is None else routes
+    index = None  # where each of the batch's kept positions is among the carriers' (`carried`)
+    if share_prefix:
+        batch, route, keep, index = carried(batch, route, keep)
     with _attention_for(model, batch.input_ids):
         hidden = hidden_at(model, batch, route, keep, share_prefix=share_prefix)  # (N, d)
     targets = batch.input_ids[:, 1:][keep[:, :-1]]  # (N,)
@@ -70,9 +74,37 @@ def token_logprobs(
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
-    mask = keep[:, :-1]
-    entropy = None if out.entropy is None else _scatter(out.entropy[0], mask)
-    return TokenLogprobs(logp=_scatter(out.logp[0], mask), entropy=entropy)
+    logp, entropy = out.logp[0], out.entropy
+    entropy = None if entropy is None else entropy[0]
+    if index is not None:
+        logp, entropy = logp[index], None if entropy is None else entropy[index]
+    entropy = None if entropy is None else _scatter(entropy, mask)
+    return TokenLogprobs(logp=_scatter(logp, mask), entropy=entropy)
+
+
+def carried(
+    batch: TrainBatch, routes: torch.Tensor | int, keep: torch.Tensor
+) -> tuple[TrainBatch, torch.Tensor | int, torch.Tensor, torch.Tensor | None]:
+    """The forward of `batch` reduced to its carriers (`rolerl.train.prefix.carriers`: the rows no other
+    row starts with), keeping every position any row keeps: `(carriers' batch, their routes, their keep,
+    index)`, where `index` `(N,)` gives each of `batch`'s kept positions (row-major) its place among the
+    carriers' kept ones. `(batch, routes, keep, None)` when every row is its own carrier."""
+    carrier = carriers(batch)
+    own = sorted(set(carrier))
+    if len(own) == len(carrier):
+        return batch, routes, keep, None
+    forward = select_rows(batch, own)
+    width = forward.input_ids.shape[1]
+    local = torch.full((len(carrier),), -1, dtype=torch.long, device=keep.device)
+    local[own] = torch.arange(len(own), device=keep.device)
+    row_of = local[torch.tensor(carrier, device=keep.device)]  # (B,) each row's carrier in `forward`
+    rows, pos = keep.nonzero(as_tuple=True)  # (N,) row-major
+    kept = torch.zeros(len(own), width, dtype=torch.bool, device=keep.device)
+    kept[row_of[rows], pos] = True
+    slot = torch.full(kept.shape, -1, dtype=torch.long, device=keep.device)
+    slot[kept] = torch.arange(int(kept.sum()), device=keep.device)
+    own_routes = routes if isinstance(routes, int) else routes[own][:, :width]
+    return forward, own_routes, kept, slot[row_of[rows], pos]
 
 
 def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ aggregated once.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from rolerl.roles import KIND_INDEX, KINDS, POLICY_KINDS
 from rolerl.train.distributed import SINGLE, Dist
 from rolerl.train.optim import Optimizer
 from rolerl.train.policy import autocast, select_rows, token_logprobs
+from rolerl.train.prefix import carriers
 from rolerl.types import TrainBatch
 
 
@@ -331,7 +331,7 @@ def accumulate_gradients(
     norm = norm if norm is not None else AggNorm.of(batch.loss_mask, horizon=s.horizon)
     logp_all = torch.zeros_like(batch.old_logp)  # (B, T)
     total, sums = 0.0, Sums()
-    for rows in by_length(batch, range(batch.input_ids.shape[0]), micro_batch_size):
+    for rows in by_length(batch, range(batch.input_ids.shape[0]), micro_batch_size, s.share_prefix):
         mb = select_rows(batch, rows)
         width = mb.input_ids.shape[1]
         weighted, metrics, logp = loss_terms(model, mb, aligned.rows(rows, width), norm, s)
@@ -347,14 +347,23 @@ def accumulate_gradients(
     return total, sums, logp_all
 
 
-def by_length(batch: TrainBatch, rows: Sequence[int], size: int) -> list[list[int]]:
+def by_length(batch: TrainBatch, rows: Sequence[int], size: int, carry: bool = False) -> list[list[int]]:
     """`rows` in micro-batches of `size`, shortest rows first: a micro-batch is padded to its longest row,
     and rows of like length together pad least (RL's completions end anywhere up to the token limit). The
     gradient is the sum over micro-batches with the whole batch's normalisers, so which rows share one
-    changes only the float rounding."""
+    changes only the float rounding. With `carry` (the forward runs rows inside their carriers,
+    `rolerl.train.policy.carried`), a carrier's rows go with it, and `size` counts the rows a forward
+    runs: a reasoner's conversation, each of its calls a row, is one."""
+    rows = list(rows)
     lengths = batch.attention_mask.sum(-1).tolist()
-    order = sorted(rows, key=lambda r: lengths[r])  # stable: equal lengths keep their (shuffled) order
-    return [order[i : i + size] for i in range(0, len(order), size)]
+    families: dict[int, list[int]] = {}  # carrier -> its rows (itself included)
+    if carry and rows:
+        for r, c in zip(rows, carriers(batch, rows), strict=True):
+            families.setdefault(c, []).append(r)
+    else:
+        families = {r: [r] for r in rows}
+    order = sorted(families, key=lambda r: lengths[r])  # stable: equal lengths keep their (shuffled) order
+    return [[r for c in order[i : i + size] for r in families[c]] for i in range(0, len(order), size)]
 
 
 @torch.no_grad()
@@ -370,7 +379,7 @@ def recompute_logprobs(
     only of `rows` (default all; the others stay 0)."""
     out = torch.zeros_like(batch.old_logp)
     todo = range(batch.input_ids.shape[0]) if rows is None else rows
-    for rows in by_length(batch, todo, micro_batch_size):
+    for rows in by_length(batch, todo, micro_batch_size, s.share_prefix):
         mb = select_rows(batch, rows)
         with autocast(mb.input_ids.device, s.bf16):
             lp = token_logprobs(model, mb, **s.logprob_args()).logp
@@ -494,10 +503,13 @@ def ppo_update(
         for i, p in enumerate(parts)
     ]
     total_mb = schedule.ppo_epochs * sum(
-        math.ceil(len(part.mine(_local(rows, offsets, i))) / micro_batch_size)
+        len(by_length(part.batch, _mine(part, _local(rows, offsets, i)), micro_batch_size, s.share_prefix))
         for rows in first
         for i, part in enumerate(parts)
-    ) + sum(math.ceil(len(rows) / micro_batch_size) for rows in todo)
+    ) + sum(
+        len(by_length(p.batch, rows, micro_batch_size, s.share_prefix))
+        for p, rows in zip(parts, todo, strict=True)
+    )
     done = 0
 
     def tick() -> None:
@@ -593,6 +605,11 @@ def _zero_grads(optimizer: Optimizer, adapters: set[str]) -> None:
             for p in group.params.values():
                 if p.grad is None and p.requires_grad:
                     p.grad = torch.zeros_like(p)
+
+
+def _mine(part: Part, local: list[int]) -> list[int]:
+    """The rows among `local` (part `part`'s row indices) this process runs a forward for."""
+    return [local[j] for j in part.mine(local)]
 
 
 def _local(rows: Tensor, offsets: Sequence[int], i: int) -> list[int]:

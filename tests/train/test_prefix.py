@@ -190,7 +190,8 @@ def test_rows_of_one_length_take_the_padded_pass(tokenizer):
     batch = grouped_batch(route_of, groups=((5, 1), (9, 1)))
     batch.attention_mask[0, 9:] = 0  # row 0: a 5-token prompt and 4 own tokens
     batch.loss_mask[0, 9:] = 0
-    batch.input_ids[1] = batch.input_ids[0]  # row 1 the same: one group of two rows of 4 own tokens
+    batch.input_ids[1] = batch.input_ids[0]  # row 1 alike but for its last token (rows alike would run
+    batch.input_ids[1, 8] += 1  # once: `carriers`): one group of two rows of 4 own tokens
     batch.routes[1] = batch.routes[0]
     batch.kind_ids[1] = batch.kind_ids[0]
     batch.attention_mask[1] = batch.attention_mask[0]
