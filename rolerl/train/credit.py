@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import logging
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,9 @@ import torch
 from rolerl.algorithms import ADVANTAGES, role_normalised_advantages
 from rolerl.config import AlgorithmConfig
 from rolerl.types import Episode, Turn
+
+log = logging.getLogger(__name__)
+_WARNED: set[tuple[str, ...]] = set()  # mixed groups already reported, by their roles (once a process)
 
 
 @dataclass
@@ -39,6 +43,8 @@ def turn_rewards(episodes: Sequence[Episode], alg: AlgorithmConfig | str) -> Cre
     if isinstance(alg, str):  # a bare group key: the default credit rule
         alg = AlgorithmConfig(group_key=alg)  # type: ignore[arg-type]
     turns, rewards, keys, units, roles = [], [], [], [], []
+    owners: defaultdict[Hashable, set[str]] = defaultdict(set)  # task group -> roles with their own reward
+    shared: defaultdict[Hashable, set[str]] = defaultdict(set)  # task group -> every role in it
     for e, ep in enumerate(episodes):
         seen: Counter[str] = Counter()
         for turn in ep.turns:
@@ -57,12 +63,34 @@ def turn_rewards(episodes: Sequence[Episode], alg: AlgorithmConfig | str) -> Cre
                 keys.append((ep.task_id, e, turn.role, turn.group))
             elif alg.group_key == "task":
                 keys.append(ep.task_id)
+                shared[ep.task_id].add(turn.role)
+                if own is not None and alg.reward != "outcome":
+                    owners[ep.task_id].add(turn.role)
             elif alg.group_key == "role":
                 keys.append((ep.task_id, turn.role))
             else:
                 keys.append((ep.task_id, turn.role, seen[turn.role]))
                 seen[turn.role] += 1
+    _warn_mixed(shared, owners)
     return Credit(turns, torch.tensor(rewards, dtype=torch.float64), keys, units, roles)
+
+
+def _warn_mixed(shared: dict[Hashable, set[str]], owners: dict[Hashable, set[str]]) -> None:
+    """Say (once a process) when a `group_key: task` group holds several roles and one of them is scored by
+    its own reward: its advantages then compare one role's reward with another's (MSARL's graded coder
+    reward in the reasoner's group: the reasoner's advantages averaged -4 to -14 where nearly every episode
+    failed)."""
+    for key, present in shared.items():
+        if len(present) > 1 and owners.get(key):
+            roles = tuple(sorted(present))
+            if roles not in _WARNED:
+                _WARNED.add(roles)
+                log.warning(
+                    "algorithm.group_key=task puts roles %s in one advantage group while %s score by their own "
+                    "reward (algorithm.reward=role or mix): each call is compared with the other roles' rewards. "
+                    "algorithm.group_key=role compares each role with itself", list(roles), sorted(owners[key]),
+                )  # fmt: skip
+            return
 
 
 def advantages_of(alg: AlgorithmConfig, credit: Credit) -> torch.Tensor:

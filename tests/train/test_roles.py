@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from rolerl.config import AlgorithmConfig, ConfigError, load_config
 from rolerl.diagnostics import role_gradients
 from rolerl.models.lora import adapter_specs
 from rolerl.roles import ANSWER, KIND_INDEX, REASONING, TOOL_CALL, shift
+from rolerl.train import credit as credit_module
 from rolerl.train.credit import advantages_of, turn_rewards
 from rolerl.train.monitor import episode_metrics
 from rolerl.train.optim import model_optimizer
@@ -285,6 +287,29 @@ def test_an_episode_with_several_calls_counts_once_in_its_group():
     assert float(per_call[3]) < -1.5 * want
     loo = rloo_advantages(credit.rewards, credit.keys, units=credit.units)
     assert loo.tolist() == pytest.approx([1.0, 1.0, 1.0, -1.0])  # each episode's baseline: the other one
+
+
+def test_a_task_group_of_roles_with_their_own_rewards_is_reported(caplog, monkeypatch):
+    """MSARL with one coder sample a request: every episode failed (reasoner 0), each coder call ran (0.2).
+    Under group_key task the episodes differ only in their call counts, and the tiny std between them
+    turns that into large advantages for every call (the warning says so); under role, the reasoner's
+    group has no signal and the coder's compares its calls with each other."""
+    monkeypatch.setattr(credit_module, "_WARNED", set())  # said once a process: not before this test
+    calls = [(2, 1), (3, 2), (2, 2), (4, 3)]  # (reasoner calls, coder calls) of 4 failed episodes
+    eps = [episode("t", [("reasoner", None)] * r + [("coder", 0.2)] * c, 0.0) for r, c in calls]
+    credit = turn_rewards(eps, AlgorithmConfig(reward="role", group_key="task"))
+    adv = advantages_of(AlgorithmConfig(), credit)
+    # each episode's value is 0.2 c / (r + c): 1/15, 0.08, 0.1, 0.6/7, with a std of ~0.014 between them
+    values = [0.2 * c / (r + c) for r, c in calls]
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    assert float(adv[0]) == pytest.approx(-mean / (std + 1e-6)) and float(adv[0]) < -5
+    assert [r.message for r in caplog.records if "group_key=task puts roles" in r.message]
+    caplog.clear()
+    by_role = turn_rewards(eps, AlgorithmConfig(reward="role", group_key="role"))
+    adv = advantages_of(AlgorithmConfig(), by_role)
+    reasoner = torch.tensor([r == "reasoner" for r in by_role.roles])
+    assert not adv[reasoner].any() and not adv[~reasoner].any()  # every call of a role alike: no signal
+    assert not [r for r in caplog.records if "group_key=task" in r.message]
 
 
 def test_role_normalised_advantages_give_each_role_unit_scale():
