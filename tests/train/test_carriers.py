@@ -36,13 +36,13 @@ ISOLATED = {"reasoner": {k: 0 for k in KINDS}, "coder": {k: 1 for k in KINDS}}  
 DART = {"reasoner": {PROMPT: 0, R: 0, C: 1, X: 0, A: 0}, "coder": {k: 1 for k in KINDS}}
 
 
-def conversation(g, route_of, calls=3, first=12, seed_len=0):
+def conversation(g, route_of, calls=3, first=12, offset=0):
     """One reasoner conversation as its calls' turns, the way a rollout records them: each call's prompt is
     the one before it, its completion, then a tool result message (new prompt tokens)."""
     pattern = [R, R, C, C, C, R, A, A]
     prompt, turns = torch.randint(3, 4000, (first,), generator=g).tolist(), []
     for i in range(calls):
-        kinds = pattern[: 4 + (i + seed_len) % 5]
+        kinds = pattern[: 4 + (i + offset) % 5]  # completions of 4 to 8 tokens
         completion = torch.randint(3, 4000, (len(kinds),), generator=g).tolist()
         routes = shift([PROMPT] * len(prompt) + kinds, route_of["reasoner"])
         turns.append(Turn("reasoner", prompt, completion, kinds, routes, [-1.0] * len(kinds)))
@@ -51,9 +51,10 @@ def conversation(g, route_of, calls=3, first=12, seed_len=0):
 
 
 def step_turns(route_of, seed=0):
-    """Two conversations of 3 and 4 calls and two coder calls: 9 rows, 3 carriers among the reasoner's."""
+    """Two conversations of 3 and 4 calls and two coder calls: 9 rows, whose forward runs 4 (each
+    conversation inside its last call, the coder calls alone)."""
     g = torch.Generator().manual_seed(seed)
-    turns = conversation(g, route_of, 3) + conversation(g, route_of, 4, first=9, seed_len=2)
+    turns = conversation(g, route_of, 3) + conversation(g, route_of, 4, first=9, offset=2)
     for n in (5, 7):
         kinds = [C] * n + [A]
         prompt = torch.randint(3, 4000, (10,), generator=g).tolist()
