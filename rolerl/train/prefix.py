@@ -79,9 +79,8 @@ def carriers(batch: TrainBatch, rows: Sequence[int] | None = None) -> list[int]:
     rows = list(range(batch.input_ids.shape[0])) if rows is None else list(rows)
     lengths = batch.attention_mask[rows].sum(-1).tolist()
     both = torch.stack([batch.input_ids[rows], batch.routes[rows]], -1).reshape(len(rows), -1).cpu().numpy()
-    keys = [
-        both[i, : 2 * n - 1].tobytes() if n else None for i, n in enumerate(lengths)
-    ]  # id, route, ..., id
+    # a row's key: id, route, id, route, ..., its last id (not its last route)
+    keys = [both[i, : 2 * n - 1].tobytes() if n else None for i, n in enumerate(lengths)]
     order = sorted((i for i in range(len(rows)) if keys[i] is not None), key=keys.__getitem__)
     out = list(rows)
     for a, nxt in zip(order[-2::-1], order[:0:-1], strict=True):  # from the end: a run's carrier is its last
