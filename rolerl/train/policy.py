@@ -74,12 +74,12 @@ def token_logprobs(
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
-    logp, entropy = out.logp[0], out.entropy
-    entropy = None if entropy is None else entropy[0]
-    if index is not None:
-        logp, entropy = logp[index], None if entropy is None else entropy[index]
-    entropy = None if entropy is None else _scatter(entropy, mask)
-    return TokenLogprobs(logp=_scatter(logp, mask), entropy=entropy)
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:  # (1, N) at the forward's kept positions -> (B, T-1)
+        return _scatter(values[0] if index is None else values[0][index], mask)
+
+    entropy = None if out.entropy is None else per_row(out.entropy)
+    return TokenLogprobs(logp=per_row(out.logp), entropy=entropy)
 
 
 def carried(

@@ -357,11 +357,8 @@ def by_length(batch: TrainBatch, rows: Sequence[int], size: int, carry: bool = F
     rows = list(rows)
     lengths = batch.attention_mask.sum(-1).tolist()
     families: dict[int, list[int]] = {}  # carrier -> its rows (itself included)
-    if carry and rows:
-        for r, c in zip(rows, carriers(batch, rows), strict=True):
-            families.setdefault(c, []).append(r)
-    else:
-        families = {r: [r] for r in rows}
+    for r, c in zip(rows, carriers(batch, rows) if carry and rows else rows, strict=True):
+        families.setdefault(c, []).append(r)
     order = sorted(families, key=lambda r: lengths[r])  # stable: equal lengths keep their (shuffled) order
     return [[r for c in order[i : i + size] for r in families[c]] for i in range(0, len(order), size)]
 
