@@ -90,7 +90,6 @@ def _warn_mixed(shared: dict[Hashable, set[str]], owners: dict[Hashable, set[str
                     "reward (algorithm.reward=role or mix): each call is compared with the other roles' rewards. "
                     "algorithm.group_key=role compares each role with itself", list(roles), sorted(owners[key]),
                 )  # fmt: skip
-            return
 
 
 def advantages_of(alg: AlgorithmConfig, credit: Credit) -> torch.Tensor:
