@@ -1074,6 +1074,8 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if getattr(args, "no_progress", False):
+        _no_library_bars()
     try:
         return args.run(args)
     except KeyboardInterrupt as e:  # a run that can continue says how (checkpoint.TrainingInterrupted)
@@ -1083,6 +1085,18 @@ def main(argv: list[str] | None = None) -> int:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
         print(f"rolerl {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _no_library_bars() -> None:
+    """`--no-progress` silences the libraries' bars too: transformers' "Loading weights" and the hub's
+    downloads would otherwise write their carriage-return frames into the logs that flag is chosen for. The
+    variable reaches a transformers imported later (its bar state is read at import); one already imported
+    is told directly."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

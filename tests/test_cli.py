@@ -156,3 +156,29 @@ def test_sft_row_that_is_not_a_string_names_the_file_line_and_field(tmp_path, ca
     argv = ["sft", "smoke", "--data", str(data), "--set", "model.spec=tiny:llama",
             f"run.dir={tmp_path / 'run'}"]  # fmt: skip
     one_line_error(capsys, argv, f"{data}:5", "messages[0].content must be a string")
+
+
+def test_no_progress_silences_the_libraries_bars(tmp_path, monkeypatch, capsys):
+    """transformers' "Loading weights" bar wrote its frames into `--no-progress` logs: the flag now turns off
+    the bars of a transformers already imported and, through the hub's variable, of one imported later."""
+    import subprocess
+    import sys
+
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    try:
+        missing = ["demos", "gsm8k", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "d.jsonl")]
+        assert main([*missing, "--no-progress"]) == 2  # the flag acts before the command runs, or fails
+        capsys.readouterr()
+        for _ in hf_logging.tqdm(range(3), desc="Loading weights"):
+            pass
+        assert "Loading weights" not in capsys.readouterr().err
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    finally:
+        hf_logging.enable_progress_bar()
+    later = "from transformers.utils import logging; print(logging.is_progress_bar_enabled())"
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    out = subprocess.run([sys.executable, "-c", later], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
