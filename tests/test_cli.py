@@ -178,7 +178,10 @@ def test_no_progress_silences_the_libraries_bars(tmp_path, monkeypatch, capsys):
         assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     finally:
         hf_logging.enable_progress_bar()
-    later = "from transformers.utils import logging; print(logging.is_progress_bar_enabled())"
-    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    later = (  # a fresh process: the flag acts before transformers is imported
+        "import sys; from rolerl.cli import _no_library_bars; assert 'transformers' not in sys.modules; "
+        "_no_library_bars(); from transformers.utils import logging; print(logging.is_progress_bar_enabled())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
     out = subprocess.run([sys.executable, "-c", later], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
