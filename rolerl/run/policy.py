@@ -26,6 +26,7 @@ from rolerl.models.load import load_model, resolve_dtype
 from rolerl.models.lora import adapter_specs, add_adapters, routed_layers
 from rolerl.models.tiny import tiny_from_spec
 from rolerl.models.topology import Topology
+from rolerl.train.distributed import is_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ def _load(cfg: Config, name: str, device: torch.device) -> tuple[nn.Module, Any]
     if spec.startswith("tiny:"):
         model, tokenizer = tiny_from_spec(spec, seed=cfg.run.seed, dtype=resolve_dtype(dtype))
         return model.to(device), tokenizer
-    return load_model(spec, dtype=dtype, device=str(device))
+    return load_model(spec, dtype=dtype, device=str(device), progress=cfg.run.progress and is_rank_zero())
 
 
 def _warm_start(members: dict[str, Member], init: str, init_from: dict[str, str]) -> None:

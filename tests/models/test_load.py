@@ -146,3 +146,41 @@ def test_a_replaced_gguf_file_replaces_its_cached_conversion(monkeypatch, tmp_pa
         p.name for p in (new, kept, unrecorded)
     )
     assert not removed.exists() and (new / "config.json").is_file() and (kept / "config.json").is_file()
+
+
+def test_progress_false_loads_without_the_libraries_bars_and_restores_them(tmp_path, tokenizer, capfd):
+    """`run.progress: false` (and torchrun's ranks but 0) load with no "Loading weights" frames in the log;
+    the bars are back afterwards, for whatever else the process loads."""
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    model, _ = tiny_model("llama", seed=0, tokenizer=tokenizer)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    if hub_utils.are_progress_bars_disabled():
+        pytest.skip("HF_HUB_DISABLE_PROGRESS_BARS is set here: the bars are off either way")
+    hf_logging.enable_progress_bar()
+    capfd.readouterr()
+    rolerl.load_model(tmp_path)
+    assert "Loading weights" in capfd.readouterr().err  # the bar this is about: shown by default
+    loaded, _ = rolerl.load_model(tmp_path, progress=False)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled() and not hub_utils.are_progress_bars_disabled()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters(), strict=True))
+    from rolerl.config import load_config
+    from rolerl.run.policy import build_policy
+
+    for progress, shown in (("false", False), ("true", True)):  # what `rolerl train` and `sft` load through
+        build_policy(load_config(None, [f"model.spec={tmp_path}", f"run.progress={progress}"]), ["policy"])
+        assert ("Loading weights" in capfd.readouterr().err) is shown
+
+
+def test_only_rank_zero_reports(monkeypatch):
+    from rolerl.train.distributed import is_rank_zero
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert is_rank_zero()
+    monkeypatch.setenv("RANK", "0")
+    assert is_rank_zero()
+    monkeypatch.setenv("RANK", "3")
+    assert not is_rank_zero()
