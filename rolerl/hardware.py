@@ -166,7 +166,7 @@ def fp32_gemm_choice(device: torch.device | str, cpu: CpuInfo | None = None) -> 
     if cpu.vendor == "AuthenticAMD":
         return (
             "onednn",
-            "an AMD CPU, where MKL's fp32 GEMMs ran at their AVX2 speed (a Zen 5): oneDNN's instead",
+            "an AMD CPU, where MKL's fp32 GEMMs ran at their AVX2 speed (measured on a Zen 5): oneDNN's instead",
         )
     return "torch", f"{cpu.vendor or 'an unknown CPU vendor'}: torch's own fp32 GEMMs (MKL on x86)"
 

@@ -384,7 +384,12 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         else:  # the base model alone: fresh adapters are the identity, no need to add any
             overrides[2] = "adapters.preset=none"
         cfg = load_config(None, overrides)
-    return build_policy(cfg, roles), cfg, identity
+    policy = build_policy(cfg, roles)
+    # the weights' dtype as they ran: a run's config decides it (`model.dtype: auto` -> bfloat16 on a CPU
+    # with native bf16), not `--dtype`
+    dtypes = {str(next(m.model.parameters()).dtype).removeprefix("torch.") for m in policy.members.values()}
+    identity["dtype"] = dtypes.pop() if len(dtypes) == 1 else sorted(dtypes)
+    return policy, cfg, identity
 
 
 def _cuda() -> bool:

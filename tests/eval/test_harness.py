@@ -128,6 +128,22 @@ def test_eval_loads_a_training_runs_newest_checkpoint(tmp_path):
     assert results["identity"]["step"] == 1 and results["identity"]["adapters"].endswith("step_1/adapters")
 
 
+def test_a_runs_evaluation_records_the_dtype_its_config_ran_in(tmp_path):
+    """`--run` takes the model and its dtype from the run's config (`--dtype` is the spec's, float32 by
+    default): results.json says what ran, here bfloat16."""
+    from rolerl.config import load_config
+    from rolerl.train.rl import train
+    from tests.train.test_rl import TINY
+
+    cfg = load_config(None, [*TINY, f"run.dir={tmp_path / 'run'}", "train.steps=1", "task.name=arithmetic",
+                             "model.dtype=bfloat16"])  # fmt: skip
+    train(cfg)
+    results = run_eval(EvalSpec(**BASE | {"limit": 2}, run=str(tmp_path / "run")), log_line=lambda _: None)
+    assert results["spec"]["dtype"] == "float32" and results["identity"]["dtype"] == "bfloat16"
+    plain = run_eval(EvalSpec(**BASE | {"limit": 2}), log_line=lambda _: None)
+    assert plain["identity"]["dtype"] == "float32"
+
+
 def test_eval_errors_are_one_line_and_name_the_flag(tmp_path, capsys):
     with pytest.raises(ValueError, match="--n > 1 needs sampling"):
         EvalSpec(task="arithmetic", n=2)
