@@ -376,7 +376,7 @@ def _eval(
             "truncated": m["truncated_rate"], "tokens": m["tokens/mean"], "seconds": result["seconds"],
             "failures": failures["counts"],
             "by_difficulty": {str(level): cell for level, cell in failures["by_difficulty"].items()},
-            **{k: v for k, v in m.items() if k.startswith(("pass@", "maj@")) and n > 1}}  # fmt: skip
+            **{k: v for k, v in m.items() if k.startswith(("pass@", "maj@", "stderr/")) and n > 1}}  # fmt: skip
 
 
 def _imitate(settings: RecipeSettings, root: Path, log: Log) -> dict[str, Any]:
@@ -450,6 +450,8 @@ def _report(root: Path, results: dict[str, Any], cfg: Config, rl: bool) -> dict[
 
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """The before/after table: each stage's greedy pass@1 with its standard error, and the RL gain."""
+    from rolerl.eval.harness import stderr_key
+
     names = {"base": "base model", "warm": "warm start", "rl": "after RL"}
     lines = [f"\n{results['recipe']}: GSM8K test, greedy pass@1"]
     for key, s in results["evals"].items():
@@ -476,7 +478,11 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         ks = sorted(
             (k for k in s if k.startswith(("pass@", "maj@"))), key=lambda k: (k[0], int(k.split("@")[1]))
         )
-        lines.append(f"  {names[s['stage']]}, sampled: " + ", ".join(f"{k} {100 * s[k]:.1f}%" for k in ks))
+        shown = [
+            f"{k} {100 * s[k]:.1f}%" + (f" +- {100 * s[e]:.1f}" if (e := stderr_key(k)) in s else "")
+            for k in ks
+        ]
+        lines.append(f"  {names[s['stage']]}, sampled: " + ", ".join(shown))
     seconds = results.get("seconds", {})
     lines.append("  stage wall times: " + ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items()))
     return lines

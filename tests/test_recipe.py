@@ -4,6 +4,7 @@ stages, and the errors for bad input; `rolerl.pipeline`'s markers on their own."
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -162,7 +163,11 @@ def test_a_second_seed_starts_from_the_first_runs_warm_start(recipe, tmp_path, c
         results["sampled"]["pass@1"] == sum(map(sum, by_id.values())) / 4
         and results["sampled"]["stage"] == "rl"
     )
-    assert "after RL, sampled: pass@1" in log
+    two = [float(any(c)) for c in by_id.values()]  # 2 problems: the error of their mean, by hand
+    assert results["sampled"]["stderr/pass@2"] == pytest.approx(abs(two[0] - two[1]) / 2 / math.sqrt(2))
+    assert (
+        "after RL, sampled: pass@1" in log and f"pass@2 {100 * results['sampled']['pass@2']:.1f}% +- " in log
+    )
     rerun = [
         "recipe",
         name,

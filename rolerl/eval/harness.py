@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolerl.eval.metrics import binomial_stderr, pass_at_k
+from rolerl.eval.metrics import mean_stderr, pass_at_k
 from rolerl.files import write_json
 from rolerl.signals import Terminated, sigterm_raises
 from rolerl.tasks.base import Example, Task, majority_correct
@@ -259,7 +259,8 @@ def summarize(samples: Sequence[Sample], n: int, workflow: str = "workflow") -> 
         "examples": float(len(rows)),
         "samples": float(len(samples)),
         "pass@1": acc,
-        "stderr": binomial_stderr(sum(c[0] for c in correct) / max(len(rows), 1), len(rows)),
+        # over problems, each scored by its samples' mean: greedy (n = 1) the binomial error of the accuracy
+        "stderr": mean_stderr([sum(c) / len(c) for c in correct]),
         "tool_call_rate": sum(s.tool_calls > 0 for s in samples) / max(len(samples), 1),
         "tool_calls/mean": sum(s.tool_calls for s in samples) / max(len(samples), 1),
         "tool_error_rate": sum(s.tool_errors for s in samples) / max(sum(s.tool_calls for s in samples), 1),
@@ -267,11 +268,15 @@ def summarize(samples: Sequence[Sample], n: int, workflow: str = "workflow") -> 
         "truncated_rate": sum(s.truncated for s in samples) / max(len(samples), 1),
     }
     for k in _ks(n):
-        out[f"pass@{k}"] = sum(pass_at_k(len(c), sum(c), k) for c in correct) / max(len(rows), 1)
-        if k > 1 and all(s.answer is not None for s in samples):
-            out[f"maj@{k}"] = sum(
-                majority_correct([(s.answer, s.correct) for s in row[:k]]) for row in rows
-            ) / max(len(rows), 1)
+        scores = [pass_at_k(len(c), sum(c), k) for c in correct]
+        out[f"pass@{k}"] = sum(scores) / max(len(rows), 1)
+        if k == 1:
+            continue
+        out[f"stderr/pass@{k}"] = mean_stderr(scores)
+        if all(s.answer is not None for s in samples):
+            votes = [float(majority_correct([(s.answer, s.correct) for s in row[:k]])) for row in rows]
+            out[f"maj@{k}"] = sum(votes) / max(len(rows), 1)
+            out[f"stderr/maj@{k}"] = mean_stderr(votes)
     names = sorted({k for s in samples for k in s.scores})
     for name in names:
         values = [s.scores[name] for s in samples if name in s.scores]
@@ -286,12 +291,18 @@ def summarize(samples: Sequence[Sample], n: int, workflow: str = "workflow") -> 
     return out
 
 
+def stderr_key(metric: str) -> str:
+    """Where `summarize` puts the standard error of `metric` (pass@k, maj@k)."""
+    return "stderr" if metric == "pass@1" else f"stderr/{metric}"
+
+
 def table(metrics: dict[str, float], spec: EvalSpec) -> str:
     """A short plain-text summary."""
     head = f"{spec.task} ({spec.split}), {int(metrics['examples'])} examples x {spec.n}, workflow {spec.workflow}"
     lines = [head]
     for key in ("pass@1", *[k for k in metrics if k.startswith(("pass@", "maj@")) and k != "pass@1"]):
-        extra = f" +- {100 * metrics['stderr']:.1f}" if key == "pass@1" and spec.n == 1 else ""
+        error = metrics.get(stderr_key(key))
+        extra = f" +- {100 * error:.1f}" if error is not None else ""
         lines.append(f"  {key:<16} {100 * metrics[key]:6.1f}%{extra}")
     for key in ("em", "f1", "tool_call_rate", "tool_error_rate", "truncated_rate"):
         if key in metrics:

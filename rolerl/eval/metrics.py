@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+
+def mean_stderr(values: Sequence[float]) -> float:
+    """Standard error of the mean of per-problem scores (each problem's pass@k estimate, or whether its
+    majority answer is right): their spread over the problems over sqrt(problems). For 0/1 scores it is
+    `binomial_stderr` of their mean; a problem's several samples count once, through its score."""
+    n = len(values)
+    if n == 0:
+        return math.nan
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / n / n)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -17,7 +17,7 @@ from rolerl.report.runs import Run, is_number
 
 Points = list[tuple[float, float]]
 # eval/* keys that are no rate: counts, sizes, timings (rolerl.eval.harness.summarize)
-EVAL_NOT_RATES = re.compile(r"eval/(examples|samples|stderr|seconds|role/.*|.*/mean)")
+EVAL_NOT_RATES = re.compile(r"eval/(examples|samples|stderr|stderr/.*|seconds|role/.*|.*/mean)")
 LABELS = {"reward/mean": "reward (mean)", "accuracy": "accuracy (rollouts)", "grad_norm": "all adapters"}
 
 

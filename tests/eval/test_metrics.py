@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -82,3 +83,27 @@ def test_pass_at_k_equals_the_fraction_of_k_subsets_with_a_right_sample():
                 subsets = list(itertools.combinations(samples, k))
                 want = sum(any(s) for s in subsets) / len(subsets)
                 assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+
+
+def test_sampled_summary_errors_by_hand():
+    """With n samples a problem, each pass@k and maj@k carries the standard error of the mean of its
+    per-problem scores (the first sample's binomial error said nothing of the other n - 1): 3 problems x 4
+    samples, right 4 / 2 / 0, derived by hand."""
+    from rolerl.eval.harness import Sample, summarize, table
+
+    answers = {"a": ["5"] * 4, "b": ["5", "5", "7", "8"], "c": ["9"] * 4}
+    samples = [Sample(i, j, 0.0, a == "5", a, {}, 10, False, 0, 0, {}) for i, row in answers.items()
+               for j, a in enumerate(row)]  # fmt: skip
+    m = summarize(samples, 4)
+    assert m["pass@1"] == pytest.approx(0.5) and m["stderr"] == pytest.approx(math.sqrt(0.5 / 9))
+    # pass@2: 1, 1 - C(2,2)/C(4,2) = 5/6, 0; mean 11/18, squared deviations (49 + 16 + 121) / 324
+    assert m["pass@2"] == pytest.approx(11 / 18)
+    assert m["stderr/pass@2"] == pytest.approx(math.sqrt(186 / 324 / 9))
+    assert m["pass@4"] == pytest.approx(2 / 3) and m["stderr/pass@4"] == pytest.approx(math.sqrt(6 / 81))
+    assert m["maj@2"] == m["maj@4"] == pytest.approx(2 / 3)  # b: "5" twice in either prefix
+    assert m["stderr/maj@4"] == pytest.approx(math.sqrt(6 / 81))
+    greedy = summarize([s for s in samples if s.sample == 0], 1)  # 0/1 scores: the binomial error
+    assert greedy["stderr"] == pytest.approx(math.sqrt((2 / 3) * (1 / 3) / 3))
+    assert not [k for k in greedy if k.startswith("stderr/")]
+    spec = SimpleNamespace(task="t", split="test", n=4, workflow="w")
+    assert "pass@4             66.7% +- 27.2" in table(m, spec)
