@@ -484,7 +484,7 @@ def _run_train(args: argparse.Namespace) -> int:
     rolerl train CONFIG.yaml`, one data-parallel rank per process (docs/DISTRIBUTED.md)."""
 
     from rolerl.config import load_config
-    from rolerl.train.distributed import is_rank_zero
+    from rolerl.progress import is_rank_zero
     from rolerl.train.rl import train
 
     path, overrides = _config_or_resume(args)

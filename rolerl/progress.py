@@ -4,8 +4,19 @@ lines); nothing when disabled, so callers never branch on it."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is the one that reports (bars, the run's summary): rank 0 of a torchrun job, or
+    a process outside torchrun. Read before the process group exists too (torchrun's `RANK`)."""
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 class ProgressBar:

@@ -26,7 +26,7 @@ from rolerl.models.load import load_model, resolve_dtype
 from rolerl.models.lora import adapter_specs, add_adapters, routed_layers
 from rolerl.models.tiny import tiny_from_spec
 from rolerl.models.topology import Topology
-from rolerl.train.distributed import is_rank_zero
+from rolerl.progress import is_rank_zero
 
 log = logging.getLogger(__name__)
 

@@ -173,14 +173,6 @@ def init_from_env(cuda: bool | None = None, timeout_s: float = 1800.0) -> Dist:
     return dist
 
 
-def is_rank_zero() -> bool:
-    """Whether this process is the one that reports: rank 0 of a torchrun job, or not under torchrun.
-    Read before the process group exists too (from torchrun's `RANK`)."""
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        return torch_dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
-
-
 def close(dist: Dist, ok: bool = True) -> None:
     """Leave the process group `init_from_env` created, once every rank is done (`ok`). After an error no
     rank waits for the others (a failed rank never arrives; torchrun stops the job)."""

@@ -176,7 +176,7 @@ def test_progress_false_loads_without_the_libraries_bars_and_restores_them(tmp_p
 
 
 def test_only_rank_zero_reports(monkeypatch):
-    from rolerl.train.distributed import is_rank_zero
+    from rolerl.progress import is_rank_zero
 
     monkeypatch.delenv("RANK", raising=False)
     assert is_rank_zero()
