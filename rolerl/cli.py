@@ -34,19 +34,21 @@ EPILOG = """examples:
 """
 
 
-def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
+def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32", run_decides: bool = False) -> None:
+    """`--model` and `--dtype`; `run_decides`: a `--run` names both (they stay None unless given)."""
+    after = "; with --run, the run's" if run_decides else ""
     p.add_argument(
         "--model",
-        default="default",
+        default=None if run_decides else "default",
         help="'default' (SmolLM2-135M-Instruct), 'tiny:llama', a HF id, a directory or a .gguf file "
-        "(default: %(default)s)",
+        f"(default: default{after})",
     )
     p.add_argument(
         "--dtype",
-        default=dtype,
+        default=None if run_decides else dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights dtype; auto = bfloat16 where the device has native bf16 (a GPU, or a CPU with "
-        "AVX512-BF16 or AMX), else float32 (default: %(default)s)",
+        f"AVX512-BF16 or AMX), else float32 (default: {dtype}{after})",
     )
 
 
@@ -548,10 +550,10 @@ def _add_rollout_args(p: argparse.ArgumentParser, split: str, n: int, temperatur
         "--option", dest="workflow_options", action="append", default=[], metavar="KEY=VALUE",
         help="a workflow setting, e.g. --option voters=5 (values parsed as YAML); repeatable",
     )  # fmt: skip
-    _add_model_args(p)
+    _add_model_args(p, run_decides=True)
     p.add_argument("--adapters", default=None, metavar="DIR", help="PEFT adapters to load, one directory per name "
                    "(e.g. RUN/checkpoints/step_N/adapters or an sft run's adapters/)")  # fmt: skip
-    p.add_argument("--preset", default="shared", help="the topology of --adapters (default: %(default)s)")
+    p.add_argument("--preset", default=None, help="the topology of --adapters (default: shared)")
     p.add_argument("--table", default=None, metavar="YAML", type=_yaml_mapping,
                    help="a routing table instead of --preset or the run's topology (adapters.table), e.g. "
                         "'{policy: {tool_call: policy, default: null}}': tool calls on the adapter, the rest "
@@ -1091,13 +1093,17 @@ def main(argv: list[str] | None = None) -> int:
 def _no_library_bars() -> None:
     """`--no-progress` silences the libraries' bars too: transformers' "Loading weights" and the hub's
     downloads would otherwise write their carriage-return frames into the logs that flag is chosen for. The
-    variable reaches a transformers imported later (its bar state is read at import); one already imported
-    is told directly."""
+    variable reaches a library imported later (each reads its bar state at import); one already imported is
+    told directly."""
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub import utils as hub_utils
+
+        hub_utils.disable_progress_bars()
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -185,3 +185,12 @@ def test_no_progress_silences_the_libraries_bars(tmp_path, monkeypatch, capsys):
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
     out = subprocess.run([sys.executable, "-c", later], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+    hub_first = (  # the hub in use without transformers (which would pass the word on): told directly
+        "import sys; import huggingface_hub.utils as hub; assert not hub.are_progress_bars_disabled(); "
+        "from rolerl.cli import _no_library_bars; assert 'transformers' not in sys.modules; _no_library_bars(); "
+        "print(hub.are_progress_bars_disabled())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", hub_first], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "True"

@@ -42,11 +42,11 @@ class EvalSpec:
     split: str = "test"
     workflow: str = "single_turn"  # a built-in name or package.module:Class
     workflow_options: dict[str, Any] = field(default_factory=dict)  # the workflow's settings
-    model: str = "default"
-    dtype: str = "float32"
+    model: str | None = None  # None: a run's model, else "default" (SmolLM2-135M-Instruct)
+    dtype: str | None = None  # None: a run's model.dtype, else float32; given, it overrides the run's
     adapters: str | None = None  # a directory of PEFT adapters named after the topology's adapters
     run: str | None = None  # a training run: its config (model, topology) and its newest checkpoint
-    preset: str = "shared"  # the topology when `adapters` is given without `run`
+    preset: str | None = None  # the topology of `adapters` (None: shared); a run's topology is its config's
     # a routing table instead of the preset or the run's topology (`adapters.table`: role -> adapter, or
     # {kind: adapter | None, default: ...}); e.g. one kind on a trained adapter and the rest on the base
     table: dict[str, Any] | None = None
@@ -80,6 +80,11 @@ class EvalSpec:
             raise ValueError("--resume needs --out DIR (the samples.jsonl to continue)")
         if self.table is not None and not (self.adapters or self.run):
             raise ValueError("--table routes to trained adapters: give --adapters DIR or --run RUN with it")
+        if self.run and self.preset is not None:
+            raise ValueError(
+                f"--preset {self.preset} with --run: the run's config names its topology; to route its adapters "
+                "another way give --table"
+            )
 
 
 class EvalInterrupted(KeyboardInterrupt):
@@ -358,31 +363,35 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
     from rolerl.run.layout import checkpoints
     from rolerl.run.policy import build_policy
 
-    identity: dict[str, Any] = {"model": spec.model, "dtype": spec.dtype}
     if spec.run:
         run = Path(spec.run)
-        cfg = load_config(run / "config.yaml", ["model.device=cpu"] if not _cuda() else [])
+        overrides = ["model.device=cpu"] if not _cuda() else []
+        if spec.dtype is not None:  # e.g. a run trained in bf16, evaluated in float32
+            overrides.append(f"model.dtype={spec.dtype}")
+        cfg = load_config(run / "config.yaml", overrides)
+        if spec.model is not None and spec.model != cfg.model.spec:
+            raise ValueError(
+                f"--model {spec.model} with --run {run}: the run trained {cfg.model.spec}, the only model its "
+                "adapters fit; leave --model out"
+            )
         found = checkpoints(run)
         step, init = newest_adapters(run, found)
         if init is None:
             raise FileNotFoundError(f"--run {run}: no checkpoints/step_N/adapters and no adapters/ directory")
+        identity: dict[str, Any] = {"model": cfg.model.spec, "dtype": None}
         # the run's own adapters, by their names (its init_from named the warm start's)
         adapters = dataclasses.replace(cfg.adapters, init=init, init_from={})
         if spec.table is not None:
             adapters = dataclasses.replace(adapters, preset="custom", table=spec.table)
             identity["table"] = spec.table
         cfg = dataclasses.replace(cfg, adapters=adapters)
-        identity |= {
-            "model": cfg.model.spec,
-            "run": str(run),
-            "adapters": init,
-            "step": step,
-        }
+        identity |= {"run": str(run), "adapters": init, "step": step}
     else:
+        identity = {"model": spec.model or "default", "dtype": None}
         overrides = [
-            f"model.spec={spec.model}",
-            f"model.dtype={spec.dtype}",
-            f"adapters.preset={spec.preset}",
+            f"model.spec={spec.model or 'default'}",
+            f"model.dtype={spec.dtype or 'float32'}",
+            f"adapters.preset={spec.preset or 'shared'}",
             "train.bf16=false",  # nothing trains here: no need to resolve (and log) a training precision
         ]
         if spec.adapters:
@@ -396,8 +405,7 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
             overrides[2] = "adapters.preset=none"
         cfg = load_config(None, overrides)
     policy = build_policy(cfg, roles)
-    # the weights' dtype as they ran: a run's config decides it (`model.dtype: auto` -> bfloat16 on a CPU
-    # with native bf16), not `--dtype`
+    # the weights' dtype as they ran (`model.dtype: auto` -> bfloat16 on a CPU with native bf16)
     dtypes = {str(next(m.model.parameters()).dtype).removeprefix("torch.") for m in policy.members.values()}
     identity["dtype"] = dtypes.pop() if len(dtypes) == 1 else sorted(dtypes)
     return policy, cfg, identity

@@ -128,9 +128,10 @@ def test_eval_loads_a_training_runs_newest_checkpoint(tmp_path):
     assert results["identity"]["step"] == 1 and results["identity"]["adapters"].endswith("step_1/adapters")
 
 
-def test_a_runs_evaluation_records_the_dtype_its_config_ran_in(tmp_path):
-    """`--run` takes the model and its dtype from the run's config (`--dtype` is the spec's, float32 by
-    default): results.json says what ran, here bfloat16."""
+def test_a_runs_evaluation_takes_its_configs_dtype_unless_dtype_is_given(tmp_path):
+    """`--run` takes the model and its dtype from the run's config: results.json says what ran, here bfloat16;
+    an explicit `--dtype` overrides it; a `--model` other than the run's, or a `--preset`, is refused (the
+    adapters fit only the run's model and topology) instead of being ignored."""
     from rolerl.config import load_config
     from rolerl.train.rl import train
     from tests.train.test_rl import TINY
@@ -138,10 +139,18 @@ def test_a_runs_evaluation_records_the_dtype_its_config_ran_in(tmp_path):
     cfg = load_config(None, [*TINY, f"run.dir={tmp_path / 'run'}", "train.steps=1", "task.name=arithmetic",
                              "model.dtype=bfloat16"])  # fmt: skip
     train(cfg)
-    results = run_eval(EvalSpec(**BASE | {"limit": 2}, run=str(tmp_path / "run")), log_line=lambda _: None)
-    assert results["spec"]["dtype"] == "float32" and results["identity"]["dtype"] == "bfloat16"
+    run = str(tmp_path / "run")
+    results = run_eval(EvalSpec(**BASE | {"limit": 2}, run=run), log_line=lambda _: None)
+    assert results["spec"]["dtype"] is None and results["identity"]["dtype"] == "bfloat16"
+    assert results["identity"]["model"] == cfg.model.spec
+    wide = run_eval(EvalSpec(**BASE | {"limit": 2}, run=run, dtype="float32"), log_line=lambda _: None)
+    assert wide["identity"]["dtype"] == "float32"
     plain = run_eval(EvalSpec(**BASE | {"limit": 2}), log_line=lambda _: None)
     assert plain["identity"]["dtype"] == "float32"
+    with pytest.raises(ValueError, match=r"--model tiny:qwen2 with --run .*leave --model out"):
+        run_eval(EvalSpec(**BASE | {"model": "tiny:qwen2"}, run=run), log_line=lambda _: None)
+    with pytest.raises(ValueError, match="--preset dart with --run: .*--table"):
+        EvalSpec(**BASE, run=run, preset="dart")
 
 
 def test_eval_errors_are_one_line_and_name_the_flag(tmp_path, capsys):
