@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from rolerl.eval.metrics import binomial_stderr, pass_at_k
+from rolerl.eval.metrics import mean_stderr, pass_at_k
 from rolerl.rollout.engine import Engine
 from rolerl.rollout.lockstep import LockstepBackend
 from rolerl.rollout.sampling import SamplingParams
@@ -41,8 +41,9 @@ class EvalResult:
         return sum(pass_at_k(len(r), sum(r), k) for r in rows) / max(len(rows), 1)
 
     def stderr(self, family: str | None = None) -> float:
-        """Binomial standard error of `accuracy` over problems (one sample each)."""
-        return binomial_stderr(self.accuracy(family), len(self._rows(family)))
+        """Standard error of `accuracy` over the problems, each scored by the mean of its samples (one sample
+        each: the binomial error); a problem's samples are not independent draws of the benchmark."""
+        return mean_stderr([sum(r) / len(r) for r in self._rows(family) if r])
 
     def families(self) -> list[str]:
         return sorted({e.meta.get("family", "all") for e in self.examples})

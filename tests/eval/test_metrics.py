@@ -59,6 +59,9 @@ def test_eval_result_accuracy_pass_at_k_and_families():
     assert r.families() == ["a", "b"] and r.tool_use() == pytest.approx(5 / 12)
     s = r.summary()
     assert s["accuracy/b"] == 0.0 and s["n"] == 3
+    # over the 3 problems' means (1/4, 1, 0; mean 5/12): squared deviations 1/36 + 49/144 + 25/144 = 13/24,
+    # / 3 problems / 3 again under the root; not the binomial error of 5/12 over the 12 samples
+    assert r.stderr() == pytest.approx(math.sqrt(13 / 216)) and s["stderr"] == r.stderr()
 
 
 def test_majority_vote_by_hand():
