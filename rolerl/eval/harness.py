@@ -360,6 +360,7 @@ def newest_adapters(run: Path, found: Sequence[tuple[int, Path]]) -> tuple[int |
 def spec_policy(spec: EvalSpec, roles: Sequence[str]):
     """The policy to evaluate, its config, and what identifies it (model, adapters, checkpoint)."""
     from rolerl.config import load_config
+    from rolerl.models.load import model_name
     from rolerl.run.layout import checkpoints
     from rolerl.run.policy import build_policy
 
@@ -369,7 +370,7 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         if spec.dtype is not None:  # e.g. a run trained in bf16, evaluated in float32
             overrides.append(f"model.dtype={spec.dtype}")
         cfg = load_config(run / "config.yaml", overrides)
-        if spec.model is not None and spec.model != cfg.model.spec:
+        if spec.model is not None and model_name(spec.model) != model_name(cfg.model.spec):
             raise ValueError(
                 f"--model {spec.model} with --run {run}: the run trained {cfg.model.spec}, the only model its "
                 "adapters fit; leave --model out"

@@ -144,7 +144,7 @@ def test_a_runs_evaluation_takes_its_configs_dtype_unless_dtype_is_given(tmp_pat
     assert results["spec"]["dtype"] is None and results["identity"]["dtype"] == "bfloat16"
     assert results["identity"]["model"] == cfg.model.spec
     wide = run_eval(EvalSpec(**BASE | {"limit": 2}, run=run, dtype="float32"), log_line=lambda _: None)
-    assert wide["identity"]["dtype"] == "float32"
+    assert wide["identity"]["dtype"] == "float32"  # and the run's own model, named, is accepted (BASE's)
     plain = run_eval(EvalSpec(**BASE | {"limit": 2}), log_line=lambda _: None)
     assert plain["identity"]["dtype"] == "float32"
     with pytest.raises(ValueError, match=r"--model tiny:qwen2 with --run .*leave --model out"):
