@@ -388,9 +388,10 @@ def spec_policy(spec: EvalSpec, roles: Sequence[str]):
         cfg = dataclasses.replace(cfg, adapters=adapters)
         identity |= {"run": str(run), "adapters": init, "step": step}
     else:
-        identity = {"model": spec.model or "default", "dtype": None}
+        model = spec.model or "default"
+        identity = {"model": model, "dtype": None}
         overrides = [
-            f"model.spec={spec.model or 'default'}",
+            f"model.spec={model}",
             f"model.dtype={spec.dtype or 'float32'}",
             f"adapters.preset={spec.preset or 'shared'}",
             "train.bf16=false",  # nothing trains here: no need to resolve (and log) a training precision
